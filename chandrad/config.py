@@ -1,0 +1,596 @@
+"""The configuration: one TOML file validated into frozen dataclasses (SPEC §3).
+
+Owns parsing (``tomllib``), defaults, type/range checks and the location of each
+problem (key, file, line). Pure: the only I/O is reading the file. Engine flags are
+checked against the installed vLLM elsewhere (``engine/command.py``); here we only
+reject the known-obsolete knobs with the real replacement named (SPEC §3.3).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from chandrad.errors import ConfigError, ConfigProblem
+
+DEFAULT_CONFIG_PATH = Path("/etc/chandrad/chandrad.toml")
+
+#: Chandra 2's own table (SPEC §3): GPU memory (GiB) → (max_num_batched_tokens, max_num_seqs).
+AUTO_TABLE: tuple[tuple[float, int, int], ...] = (
+    (80.0, 8192, 64),
+    (40.0, 4096, 32),
+    (24.0, 2048, 16),
+    (16.0, 1024, 8),
+)
+
+#: Knobs that blog recipes use but current vLLM does not have, with the real mechanism.
+OBSOLETE_ENGINE_KNOBS: dict[str, str] = {
+    "swap_space": (
+        "removed from vLLM in 0.18: preempted requests are recomputed, there is no CPU swap "
+        "space to size; remove the key (use cpu_offload_gb to put weights in host RAM)"
+    ),
+    "preemption_mode": (
+        "only existed in the V0 engine; the V1 engine always preempts by recomputation; "
+        "remove the key"
+    ),
+    "enable_memory_fragmentation_handler": (
+        "is not a vLLM flag; the mechanism is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+        "which chandrad sets itself when it sees fragmentation; remove the key"
+    ),
+    "batch_size": "is not a `vllm serve` flag; use max_num_seqs (concurrent sequences)",
+    "enable_chunked_prefill_memory": "is not a vLLM flag; use max_num_batched_tokens",
+}
+
+LOG_FORMATS = ("auto", "journal", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+WATCH_MODES = ("auto", "inotify", "poll")
+DUPLICATE_POLICIES = ("process", "skip")
+OUTPUT_FORMATS = ("md", "html", "json")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    state_dir: Path = Path("/var/lib/chandrad")
+    log_format: str = "auto"
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    input: Path
+    output: Path
+    done: Path
+    failed: Path
+    recursive: bool = True
+    mode: str = "auto"
+    poll_interval: float = 5.0
+    settle_seconds: float = 2.0
+    rescan_interval: float = 300.0
+    ignore: tuple[str, ...] = ()
+    duplicates: str = "process"
+
+
+@dataclass(frozen=True)
+class OcrConfig:
+    prompt_type: str = "ocr_layout"
+    max_output_tokens: int = 12384
+    formats: tuple[str, ...] = ("md", "html", "json")
+    include_images: bool = True
+    include_headers_footers: bool = False
+    min_side_px: int = 1024
+    max_pixels: int = 6291456
+    max_pages: int = 5000
+    retries: int = 6
+    request_timeout: float = 600.0
+    render_workers: int = 0  # 0 = number of CPUs
+    max_in_flight: int = 0  # 0 = follow engine capacity
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The starting memory profile. ``None`` means: leave vLLM's default."""
+
+    gpu_memory_utilization: float | str | None = 0.9
+    max_num_seqs: int | str | None = "auto"
+    max_num_batched_tokens: int | str | None = "auto"
+    max_model_len: int | None = None
+    block_size: int | None = None
+    enforce_eager: bool = False
+    cpu_offload_gb: float = 0.0
+    kv_cache_memory_bytes: int | None = None
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 1})
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    mm_processor_cache_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class DownshiftConfig:
+    enabled: bool = True
+    min_gpu_memory_utilization: float = 0.5
+    max_gpu_memory_utilization: float = 0.95
+    min_max_num_seqs: int = 1
+    min_max_num_batched_tokens: int = 512
+    min_max_model_len: int = 2048
+    max_cpu_offload_gb: float = 0.0
+    max_restarts: int = 5
+    window: float = 600.0
+    backoff_initial: float = 1.0
+    backoff_max: float = 60.0
+    upshift_after: float = 1800.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "datalab-to/chandra-ocr-2"
+    served_model_name: str = "chandra"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gpus: str = "all"
+    python: str = ""  # "" = the daemon's own interpreter
+    command: tuple[str, ...] = ()  # overrides python + module when set
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout: float = 900.0
+    stop_timeout: float = 30.0
+    stable_seconds: float = 60.0
+    url: str = ""  # a remote engine: health-watched only, never supervised
+    api_key: str = ""
+    exit_on_fatal: bool = False
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    downshift: DownshiftConfig = field(default_factory=DownshiftConfig)
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible root the daemon talks to (without ``/v1``)."""
+        if self.url:
+            return self.url.rstrip("/").removesuffix("/v1")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def supervised(self) -> bool:
+        return not self.url
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    socket: Path = Path("/run/chandrad/control.sock")
+    group: str = ""
+    mode: int = 0o660
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    daemon: DaemonConfig
+    watch: tuple[WatchConfig, ...]
+    ocr: OcrConfig
+    engine: EngineConfig
+    control: ControlConfig
+
+    def control_socket(self) -> Path:
+        """SPEC §2: ``$RUNTIME_DIRECTORY/control.sock`` under systemd, else the config's."""
+        runtime = os.environ.get("RUNTIME_DIRECTORY")
+        if runtime:
+            return Path(runtime.split(":")[0]) / "control.sock"
+        return self.control.socket
+
+
+def default_config_path() -> Path:
+    """``$CHANDRAD_CONFIG``, else ``/etc/chandrad/chandrad.toml``."""
+    env = os.environ.get("CHANDRAD_CONFIG")
+    return Path(env) if env else DEFAULT_CONFIG_PATH
+
+
+class _Locator:
+    """Finds the line of ``section.key`` in the raw TOML text (tomllib gives no positions)."""
+
+    _header = re.compile(r"^\s*\[\[?\s*([A-Za-z0-9_.\-]+)\s*\]\]?\s*(#.*)?$")
+    _key = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*=")
+
+    def __init__(self, text: str) -> None:
+        self.index: dict[str, int] = {}
+        section = ""
+        counts: dict[str, int] = {}
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            header = self._header.match(line)
+            if header:
+                name = header.group(1)
+                if line.lstrip().startswith("[["):
+                    n = counts.get(name, 0)
+                    counts[name] = n + 1
+                    name = f"{name}[{n}]"
+                section = name
+                self.index.setdefault(section, lineno)
+                continue
+            key = self._key.match(line)
+            if key:
+                dotted = f"{section}.{key.group(1)}" if section else key.group(1)
+                self.index.setdefault(dotted, lineno)
+
+    def line(self, dotted: str) -> int | None:
+        while dotted:
+            if dotted in self.index:
+                return self.index[dotted]
+            dotted = dotted.rpartition(".")[0]
+        return None
+
+
+class _Reader:
+    """Pulls typed values out of one TOML table, recording problems instead of raising."""
+
+    def __init__(
+        self,
+        table: dict[str, Any],
+        prefix: str,
+        problems: list[ConfigProblem],
+        locate: _Locator,
+        file: str,
+    ) -> None:
+        self.table = dict(table)
+        self.prefix = prefix
+        self.problems = problems
+        self.locate = locate
+        self.file = file
+        self.seen: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def problem(self, name: str, message: str, code: str = "config_invalid") -> None:
+        dotted = self.key(name)
+        self.problems.append(
+            ConfigProblem(dotted, message, self.file, self.locate.line(dotted), code)
+        )
+
+    def get(self, name: str, kinds: tuple[type, ...], default: Any) -> Any:
+        self.seen.add(name)
+        if name not in self.table:
+            return default
+        value = self.table[name]
+        # bool is an int in Python; a TOML `true` is never a valid number here.
+        ok = isinstance(value, kinds) and not (
+            isinstance(value, bool) and bool not in kinds
+        )
+        if not ok:
+            expected = " or ".join(k.__name__ for k in kinds)
+            self.problem(name, f"expected {expected}, got {type(value).__name__} {value!r}",
+                         "config_type")
+            return default
+        return value
+
+    def number(
+        self, name: str, default: Any, lo: float | None = None, hi: float | None = None,
+        integer: bool = False, allow: tuple[Any, ...] = (),
+    ) -> Any:
+        kinds: tuple[type, ...] = (int,) if integer else (int, float)
+        if allow and name in self.table and self.table[name] in allow:
+            self.seen.add(name)
+            return self.table[name]
+        value = self.get(name, kinds + tuple({type(a) for a in allow if a is not None}), default)
+        if value is None or value in allow or not isinstance(value, (int, float)):
+            return value
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+            self.problem(name, f"{value!r} is out of range {rng}", "config_range")
+            return default
+        return float(value) if not integer else int(value)
+
+    def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self.get(name, (str,), default)
+        if value not in choices:
+            self.problem(name, f"{value!r} is not one of {', '.join(choices)}", "config_range")
+            return default
+        return str(value)
+
+    def strings(self, name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        value = self.get(name, (list,), list(default))
+        if not all(isinstance(v, str) for v in value):
+            self.problem(name, "expected a list of strings", "config_type")
+            return default
+        return tuple(value)
+
+    def path(self, name: str, default: Path | None, base: Path) -> Path | None:
+        value = self.get(name, (str,), None)
+        if value is None:
+            return default
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (base / p)
+
+    def finish(self, obsolete: dict[str, str] | None = None) -> None:
+        """Report every key that was not read: unknown or obsolete."""
+        for name in self.table:
+            if name in self.seen:
+                continue
+            if obsolete and name in obsolete:
+                self.problem(name, obsolete[name], "engine_flag_obsolete")
+            else:
+                self.problem(name, "unknown key", "config_key_unknown")
+
+
+def load_config(path: Path | str) -> Config:
+    """Read and validate ``path``.
+
+    Raises:
+        ConfigError: with every problem found (key, file and line where known).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([ConfigProblem("-", f"cannot read config: {exc.strerror}",
+                                         str(path), None, "config_unreadable")]) from exc
+    return parse_config(text, path)
+
+
+def parse_config(text: str, path: Path) -> Config:
+    """Validate TOML ``text`` as if read from ``path`` (relative paths resolve beside it)."""
+    file = str(path)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        line = getattr(exc, "lineno", None)
+        raise ConfigError([ConfigProblem("-", f"not valid TOML: {exc}", file, line,
+                                         "config_syntax")]) from exc
+    problems: list[ConfigProblem] = []
+    loc = _Locator(text)
+    base = path.resolve().parent
+
+    def reader(table: Any, prefix: str) -> _Reader:
+        if not isinstance(table, dict):
+            problems.append(ConfigProblem(prefix, "expected a table", file, loc.line(prefix),
+                                          "config_type"))
+            table = {}
+        return _Reader(table, prefix, problems, loc, file)
+
+    top = reader(raw, "")
+    for section in ("daemon", "watch", "ocr", "engine", "control"):
+        top.seen.add(section)
+    top.finish()
+
+    daemon = _daemon(reader(raw.get("daemon", {}), "daemon"), base)
+    watches = _watches(raw.get("watch", []), reader, base, problems, loc, file)
+    ocr = _ocr(reader(raw.get("ocr", {}), "ocr"))
+    engine_raw = raw.get("engine", {})
+    engine = _engine(reader(engine_raw, "engine"), reader, engine_raw if isinstance(
+        engine_raw, dict) else {})
+    control = _control(reader(raw.get("control", {}), "control"), base, daemon)
+    _cross_checks(watches, problems, loc, file)
+    if problems:
+        raise ConfigError(problems)
+    return Config(path=path, daemon=daemon, watch=tuple(watches), ocr=ocr, engine=engine,
+                  control=control)
+
+
+def _daemon(r: _Reader, base: Path) -> DaemonConfig:
+    d = DaemonConfig()
+    cfg = DaemonConfig(
+        state_dir=r.path("state_dir", d.state_dir, base) or d.state_dir,
+        log_format=r.choice("log_format", d.log_format, LOG_FORMATS),
+        log_level=r.choice("log_level", d.log_level, LOG_LEVELS),
+    )
+    r.finish()
+    return cfg
+
+
+def _watches(
+    raw: Any, reader: Any, base: Path, problems: list[ConfigProblem], loc: _Locator, file: str
+) -> list[WatchConfig]:
+    if isinstance(raw, dict):
+        raw = [raw]
+    if not isinstance(raw, list):
+        problems.append(ConfigProblem("watch", "expected [[watch]] tables", file,
+                                      loc.line("watch"), "config_type"))
+        return []
+    out: list[WatchConfig] = []
+    for i, table in enumerate(raw):
+        r: _Reader = reader(table, f"watch[{i}]")
+        inp = r.path("input", None, base)
+        if inp is None:
+            r.problem("input", "required: the folder to watch")
+            r.finish()
+            continue
+        parent = inp.parent
+        out.append(WatchConfig(
+            input=inp,
+            output=r.path("output", parent / "output", base) or parent / "output",
+            done=r.path("done", parent / "done", base) or parent / "done",
+            failed=r.path("failed", parent / "failed", base) or parent / "failed",
+            recursive=r.get("recursive", (bool,), True),
+            mode=r.choice("mode", "auto", WATCH_MODES),
+            poll_interval=r.number("poll_interval", 5.0, lo=0.05, hi=3600),
+            settle_seconds=r.number("settle_seconds", 2.0, lo=0.0, hi=3600),
+            rescan_interval=r.number("rescan_interval", 300.0, lo=1.0, hi=86400),
+            ignore=r.strings("ignore", ()),
+            duplicates=r.choice("duplicates", "process", DUPLICATE_POLICIES),
+        ))
+        r.finish()
+    return out
+
+
+def _ocr(r: _Reader) -> OcrConfig:
+    d = OcrConfig()
+    formats = r.strings("formats", d.formats)
+    bad = [f for f in formats if f not in OUTPUT_FORMATS]
+    if bad:
+        r.problem("formats", f"unknown format(s) {bad}; choose from {list(OUTPUT_FORMATS)}",
+                  "config_range")
+        formats = d.formats
+    cfg = OcrConfig(
+        prompt_type=r.choice("prompt_type", d.prompt_type, ("ocr_layout", "ocr")),
+        max_output_tokens=r.number("max_output_tokens", d.max_output_tokens, 16, 1 << 20, True),
+        formats=formats,
+        include_images=r.get("include_images", (bool,), d.include_images),
+        include_headers_footers=r.get("include_headers_footers", (bool,),
+                                      d.include_headers_footers),
+        min_side_px=r.number("min_side_px", d.min_side_px, 16, 20000, True),
+        max_pixels=r.number("max_pixels", d.max_pixels, 1024, 200_000_000, True),
+        max_pages=r.number("max_pages", d.max_pages, 1, 1_000_000, True),
+        retries=r.number("retries", d.retries, 0, 100, True),
+        request_timeout=r.number("request_timeout", d.request_timeout, 1, 86400),
+        render_workers=r.number("render_workers", d.render_workers, 0, 512, True),
+        max_in_flight=r.number("max_in_flight", d.max_in_flight, 0, 100000, True),
+    )
+    r.finish()
+    return cfg
+
+
+def _memory(r: _Reader) -> MemoryConfig:
+    d = MemoryConfig()
+    block = r.get("block_size", (int, str), d.block_size)
+    if isinstance(block, str):
+        r.problem("block_size", "is tokens per KV block (an integer such as 16), not a size "
+                  "in MB; to limit KV memory use kv_cache_memory_bytes or gpu_memory_utilization",
+                  "config_type")
+        block = None
+    elif block is not None and block not in (1, 8, 16, 32, 64, 128, 256):
+        r.problem("block_size", f"{block} tokens per KV block is not a vLLM block size "
+                  "(1, 8, 16, 32, 64, 128 or 256); it is tokens, not MB", "config_range")
+        block = None
+    lmpp = r.get("limit_mm_per_prompt", (dict,), d.limit_mm_per_prompt)
+    cfg = MemoryConfig(
+        gpu_memory_utilization=r.number("gpu_memory_utilization", d.gpu_memory_utilization,
+                                        0.05, 1.0, allow=("auto",)),
+        max_num_seqs=r.number("max_num_seqs", d.max_num_seqs, 1, 65536, True, allow=("auto",)),
+        max_num_batched_tokens=r.number("max_num_batched_tokens", d.max_num_batched_tokens,
+                                        16, 10_000_000, True, allow=("auto",)),
+        max_model_len=r.number("max_model_len", d.max_model_len, 16, 10_000_000, True),
+        block_size=block,
+        enforce_eager=r.get("enforce_eager", (bool,), d.enforce_eager),
+        cpu_offload_gb=r.number("cpu_offload_gb", d.cpu_offload_gb, 0, 100000),
+        kv_cache_memory_bytes=r.number("kv_cache_memory_bytes", d.kv_cache_memory_bytes, 1,
+                                       1 << 50, True),
+        limit_mm_per_prompt=dict(lmpp),
+        mm_processor_kwargs=dict(r.get("mm_processor_kwargs", (dict,), d.mm_processor_kwargs)),
+        mm_processor_cache_gb=r.number("mm_processor_cache_gb", d.mm_processor_cache_gb, 0, 1e5),
+    )
+    r.finish(OBSOLETE_ENGINE_KNOBS)
+    return cfg
+
+
+def _downshift(r: _Reader) -> DownshiftConfig:
+    d = DownshiftConfig()
+    backoff = r.get("backoff", (list,), [d.backoff_initial, d.backoff_max])
+    if (len(backoff) != 2 or not all(isinstance(b, (int, float)) and b > 0 for b in backoff)
+            or backoff[0] > backoff[1]):
+        r.problem("backoff", "expected [initial_seconds, max_seconds] with 0 < initial <= max",
+                  "config_range")
+        backoff = [d.backoff_initial, d.backoff_max]
+    cfg = DownshiftConfig(
+        enabled=r.get("enabled", (bool,), d.enabled),
+        min_gpu_memory_utilization=r.number("min_gpu_memory_utilization",
+                                            d.min_gpu_memory_utilization, 0.05, 1.0),
+        max_gpu_memory_utilization=r.number("max_gpu_memory_utilization",
+                                            d.max_gpu_memory_utilization, 0.05, 1.0),
+        min_max_num_seqs=r.number("min_max_num_seqs", d.min_max_num_seqs, 1, 65536, True),
+        min_max_num_batched_tokens=r.number("min_max_num_batched_tokens",
+                                            d.min_max_num_batched_tokens, 16, 10_000_000, True),
+        min_max_model_len=r.number("min_max_model_len", d.min_max_model_len, 16, 10_000_000,
+                                   True),
+        max_cpu_offload_gb=r.number("max_cpu_offload_gb", d.max_cpu_offload_gb, 0, 100000),
+        max_restarts=r.number("max_restarts", d.max_restarts, 0, 1000, True),
+        window=r.number("window", d.window, 1, 86400 * 7),
+        backoff_initial=float(backoff[0]),
+        backoff_max=float(backoff[1]),
+        upshift_after=r.number("upshift_after", d.upshift_after, 1, 86400 * 30),
+    )
+    r.finish()
+    return cfg
+
+
+def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
+    d = EngineConfig()
+    env = r.get("env", (dict,), {})
+    if not all(isinstance(v, str) for v in env.values()):
+        r.problem("env", "every value must be a string", "config_type")
+        env = {}
+    command = r.get("command", (list, str), [])
+    if isinstance(command, str):
+        command = command.split()
+    r.seen.update({"memory", "downshift"})
+    cfg = EngineConfig(
+        model=r.get("model", (str,), d.model),
+        served_model_name=r.get("served_model_name", (str,), d.served_model_name),
+        host=r.get("host", (str,), d.host),
+        port=r.number("port", d.port, 1, 65535, True),
+        gpus=str(r.get("gpus", (str, int), d.gpus)),
+        python=r.get("python", (str,), d.python),
+        command=tuple(str(c) for c in command),
+        extra_args=r.strings("extra_args", d.extra_args),
+        env=dict(env),
+        startup_timeout=r.number("startup_timeout", d.startup_timeout, 1, 86400),
+        stop_timeout=r.number("stop_timeout", d.stop_timeout, 0.5, 3600),
+        stable_seconds=r.number("stable_seconds", d.stable_seconds, 0, 86400),
+        url=r.get("url", (str,), d.url),
+        api_key=r.get("api_key", (str,), d.api_key),
+        exit_on_fatal=r.get("exit_on_fatal", (bool,), d.exit_on_fatal),
+        memory=_memory(reader(raw.get("memory", {}), "engine.memory")),
+        downshift=_downshift(reader(raw.get("downshift", {}), "engine.downshift")),
+    )
+    r.finish(OBSOLETE_ENGINE_KNOBS)
+    if cfg.url and not re.match(r"^https?://", cfg.url):
+        r.problem("url", f"{cfg.url!r} is not an http(s) URL")
+    return cfg
+
+
+def _control(r: _Reader, base: Path, daemon: DaemonConfig) -> ControlConfig:
+    d = ControlConfig()
+    mode_raw = r.get("mode", (int, str), d.mode)
+    mode = d.mode
+    if isinstance(mode_raw, str):
+        try:
+            mode = int(mode_raw, 8)
+        except ValueError:
+            r.problem("mode", f"{mode_raw!r} is not an octal mode like \"0660\"", "config_type")
+    else:
+        mode = mode_raw
+    if not 0 <= mode <= 0o777:
+        r.problem("mode", f"{oct(mode)} is not a file mode", "config_range")
+        mode = d.mode
+    cfg = ControlConfig(
+        socket=r.path("socket", d.socket, base) or d.socket,
+        group=r.get("group", (str,), d.group),
+        mode=mode,
+    )
+    r.finish()
+    return cfg
+
+
+def _cross_checks(
+    watches: list[WatchConfig], problems: list[ConfigProblem], loc: _Locator, file: str
+) -> None:
+    """Output/done/failed inside an input root would be re-ingested: refuse."""
+    for i, w in enumerate(watches):
+        root = w.input.resolve()
+        for name in ("output", "done", "failed"):
+            target = getattr(w, name).resolve()
+            if target == root or root in target.parents:
+                if w.recursive or target == root:
+                    key = f"watch[{i}].{name}"
+                    problems.append(ConfigProblem(
+                        key, f"{target} is inside the watched input {root}; its files would be "
+                        "taken as new input. Put it beside the input folder", file,
+                        loc.line(key), "config_range"))
+
+
+def engine_settings_changed(old: Config, new: Config) -> bool:
+    """Whether a reload must restart the engine (SPEC §2 ``reload``)."""
+    return old.engine != new.engine
+
+
+def dataclass_dict(obj: Any) -> dict[str, Any]:
+    """A JSON-friendly dict of a (nested) config dataclass, for status and metadata."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if hasattr(value, "__dataclass_fields__"):
+            value = dataclass_dict(value)
+        elif isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = [str(v) if isinstance(v, Path) else v for v in value]
+        out[f.name] = value
+    return out

@@ -1,0 +1,165 @@
+"""Exit codes and the typed error hierarchy of chandrad.
+
+Leaf module: imports nothing from chandrad. Every error has a stable snake_case
+``code`` (used on the control socket, in ``<name>.error.json`` and as a journal
+field), a guidance ``message`` and the ``exit_code`` an entry point maps it to.
+Only ``cli.py`` and ``ctl/main.py`` turn these into process exit statuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, ClassVar
+
+
+class ExitCode(IntEnum):
+    """Exit statuses of ``chandrad`` (SPEC §2)."""
+
+    OK = 0
+    USAGE = 2
+    UNAVAILABLE = 69  # engine gave up, only with engine.exit_on_fatal = true
+    SOFTWARE = 70  # internal error
+    CONFIG = 78  # EX_CONFIG; the unit sets RestartPreventExitStatus=78
+
+
+class CtlExit(IntEnum):
+    """Exit statuses of ``chandractl`` (LSB, SPEC §2)."""
+
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    NOT_RUNNING = 3
+    UNKNOWN_OR_FORBIDDEN = 4
+
+
+class ChandradError(Exception):
+    """Base of every error chandrad raises on purpose."""
+
+    code: ClassVar[str] = "internal_error"
+    exit_code: ClassVar[ExitCode] = ExitCode.SOFTWARE
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialise for the control socket or an ``error.json`` file."""
+        out: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a config file, located as precisely as we can."""
+
+    key: str
+    message: str
+    file: str = ""
+    line: int | None = None
+    code: str = "config_invalid"
+
+    def __str__(self) -> str:
+        where = self.file or "<config>"
+        if self.line is not None:
+            where = f"{where}:{self.line}"
+        return f"{where}: {self.key}: {self.message}"
+
+
+class ConfigError(ChandradError):
+    """The configuration is invalid; carries every problem found, not only the first."""
+
+    code = "config_invalid"
+    exit_code = ExitCode.CONFIG
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        super().__init__(
+            "\n".join(str(p) for p in problems),
+            problems=[p.__dict__ for p in problems],
+        )
+
+
+class EngineGaveUp(ChandradError):
+    """The engine is fatal and the config says the daemon should exit."""
+
+    code = "engine_fatal"
+    exit_code = ExitCode.UNAVAILABLE
+
+
+class EngineUnavailable(ChandradError):
+    """The engine could not be reached or did not answer usefully (transport level)."""
+
+    code = "engine_unavailable"
+
+
+class InputError(ChandradError):
+    """A file cannot be processed; it goes to ``failed/`` with this code. Never exits."""
+
+    code = "corrupt_input"
+
+
+class EncryptedInput(InputError):
+    code = "encrypted_pdf"
+
+
+class DecompressionBomb(InputError):
+    code = "decompression_bomb"
+
+
+class TooManyPages(InputError):
+    code = "too_many_pages"
+
+
+class EmptyInput(InputError):
+    code = "empty_input"
+
+
+class UnsupportedFormat(InputError):
+    code = "unsupported_format"
+
+
+class OutputError(ChandradError):
+    """Writing outputs or moving the input failed."""
+
+    code = "output_write_failed"
+
+
+class ControlError(ChandradError):
+    """An error answered on the control socket; ``code`` travels to the client."""
+
+    code = "bad_request"
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.error_code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.error_code, "message": self.message}
+
+
+CONTROL_ERROR_CODES: frozenset[str] = frozenset(
+    {
+        "bad_request",
+        "too_large",
+        "timeout",
+        "unsupported_version",
+        "unknown_command",
+        "forbidden",
+        "invalid_state",
+        "not_found",
+        "internal_error",
+    }
+)
+
+#: Control error codes that chandractl maps to LSB exit 4 (unknown/forbidden).
+CTL_EXIT4_CODES: frozenset[str] = frozenset({"forbidden", "unknown_command", "not_found"})
+
+
+class InternalError(ChandradError):
+    """A broken invariant (for example an illegal state transition)."""
+
+    code = "internal_error"

@@ -1,0 +1,73 @@
+"""Protocols for the seams between services (no implementations).
+
+``pipeline`` sees the engine only as an :class:`EngineHandle`; ``control.handlers``
+sees the daemon only as :class:`DaemonControl`. ``daemon.py`` is the one place
+that wires concrete objects to these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from chandrad.states import EngineState
+
+
+class EngineHandle(Protocol):
+    """What the pipeline may ask of the engine supervisor."""
+
+    @property
+    def state(self) -> EngineState: ...
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI-compatible root, e.g. ``http://127.0.0.1:8000``."""
+        ...
+
+    @property
+    def served_model_name(self) -> str: ...
+
+    @property
+    def capacity(self) -> int:
+        """How many requests may be in flight now (from ``max_num_seqs`` and /metrics)."""
+        ...
+
+    async def wait_ready(self) -> None:
+        """Return once the engine is ``ready``."""
+        ...
+
+    def report_failure(self, reason: str, evidence: str = "") -> None:
+        """Tell the supervisor a request failed in a way that suggests the engine is sick."""
+        ...
+
+
+class DaemonControl(Protocol):
+    """The operations the control socket may call. Every method returns JSON-able data.
+
+    Mutating methods raise ``errors.ControlError`` (``invalid_state``, ``not_found``)
+    when the request cannot be honoured.
+    """
+
+    def status(self) -> dict[str, Any]: ...
+
+    def queue(self, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]: ...
+
+    def gpu(self) -> dict[str, Any]: ...
+
+    def version(self) -> dict[str, Any]: ...
+
+    async def pause(self) -> dict[str, Any]: ...
+
+    async def resume(self) -> dict[str, Any]: ...
+
+    async def drain(self, wait: bool = False) -> dict[str, Any]: ...
+
+    async def retry(self, job_id: int | None = None, all_failed: bool = False) -> dict[str, Any]:
+        ...
+
+    async def cancel(self, job_id: int) -> dict[str, Any]: ...
+
+    async def reload(self, wait: bool = False) -> dict[str, Any]: ...
+
+    async def engine_restart(self) -> dict[str, Any]: ...
+
+    async def rescan(self) -> dict[str, Any]: ...
