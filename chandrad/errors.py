@@ -122,6 +122,18 @@ class UnsupportedFormat(InputError):
     code = "unsupported_format"
 
 
+class RenderCrashed(InputError):
+    """The render worker process died on this page (decoder crash, killed for memory)."""
+
+    code = "render_crashed"
+
+
+class RenderTimeout(InputError):
+    """Rendering one page took longer than the render timeout."""
+
+    code = "render_timeout"
+
+
 class OutputError(ChandradError):
     """Writing outputs or moving the input failed."""
 
