@@ -1,0 +1,188 @@
+"""systemd integration: the sd_notify protocol, the progress-gated watchdog, child env scrubbing.
+
+Owns everything chandrad says to the service manager over ``$NOTIFY_SOCKET`` (SPEC §7):
+``READY=1``, ``STATUS=``, ``RELOADING=1`` + ``MONOTONIC_USEC``, ``STOPPING=1``,
+``EXTEND_TIMEOUT_USEC=``, ``WATCHDOG=1``/``WATCHDOG=trigger``. The wire format is one
+``AF_UNIX``/``SOCK_DGRAM`` datagram per message (``@`` = abstract namespace), encoded as
+UTF-8 here; PyPI ``sdnotify`` encodes Latin-1 and silently drops a ``STATUS=`` naming a
+file such as ``東京.pdf`` (bb4242/sdnotify#9), so it is not used. Without ``NOTIFY_SOCKET``
+every call is a no-op, so the daemon runs the same in a terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+SCRUBBED_ENV_PREFIXES: tuple[str, ...] = ("NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_")
+
+_log = logging.getLogger(__name__)
+
+#: One ``STATUS=`` line: systemctl shows a single line; keep the datagram small.
+_MAX_STATUS_CHARS = 400
+
+
+def scrub_systemd_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` without the variables that belong to chandrad's own unit.
+
+    A child that inherits ``NOTIFY_SOCKET`` or ``WATCHDOG_*`` could speak for the unit
+    (``NotifyAccess=main`` would drop it, but a foreign ``READY=1`` is still confusing);
+    ``LISTEN_*`` would make it claim our sockets.
+    """
+    return {k: v for k, v in env.items() if not k.startswith(SCRUBBED_ENV_PREFIXES)}
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(text.split())
+    if len(flat) > _MAX_STATUS_CHARS:
+        flat = flat[: _MAX_STATUS_CHARS - 1] + "…"
+    return flat
+
+
+class Notifier:
+    """Sends sd_notify messages; a no-op when the process is not a notify service."""
+
+    def __init__(
+        self,
+        address: str | None,
+        *,
+        watchdog_usec: int | None = None,
+        watchdog_pid: int | None = None,
+    ) -> None:
+        self._address: str | None = None
+        if address:
+            # "@name" is the abstract namespace: a leading NUL byte on the wire.
+            self._address = "\0" + address[1:] if address.startswith("@") else address
+        self._watchdog_usec = watchdog_usec
+        self._watchdog_pid = watchdog_pid
+        self._sock: socket.socket | None = None
+        self._failed_once = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Notifier:
+        """Read ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` (default: ``os.environ``)."""
+        env = os.environ if env is None else env
+
+        def _int(name: str) -> int | None:
+            raw = env.get(name, "").strip()
+            return int(raw) if raw.isdigit() else None
+
+        return cls(
+            env.get("NOTIFY_SOCKET") or None,
+            watchdog_usec=_int("WATCHDOG_USEC"),
+            watchdog_pid=_int("WATCHDOG_PID"),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._address is not None
+
+    def notify(self, *assignments: str) -> bool:
+        """Send ``KEY=value`` lines as one datagram. False when disabled or on failure."""
+        if self._address is None:
+            return False
+        payload = "\n".join(assignments).encode("utf-8")
+        for attempt in (1, 2):
+            try:
+                if self._sock is None:
+                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                    # systemd reads its queue promptly; never stall the event loop for long.
+                    self._sock.settimeout(2.0)
+                self._sock.sendto(payload, self._address)
+                return True
+            except OSError as exc:
+                self._close()
+                if attempt == 2:
+                    if not self._failed_once:
+                        self._failed_once = True
+                        _log.warning("sd_notify to %r failed: %s", self._address, exc)
+                    return False
+        return False  # pragma: no cover - the loop always returns
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        self._close()
+
+    def ready(self, status: str | None = None) -> None:
+        """Start-up (or a reload) is complete."""
+        lines = ["READY=1"]
+        if status is not None:
+            lines.append(f"STATUS={_one_line(status)}")
+        self.notify(*lines)
+
+    def status(self, text: str) -> None:
+        """The one-line state shown by ``systemctl status``."""
+        self.notify(f"STATUS={_one_line(text)}")
+
+    def reloading(self) -> None:
+        """A reload began. ``MONOTONIC_USEC`` is required by ``Type=notify-reload`` (v253+)."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.notify("RELOADING=1", f"MONOTONIC_USEC={usec}")
+
+    def stopping(self, status: str | None = None) -> None:
+        """Shutdown began (drain follows)."""
+        lines = ["STOPPING=1"]
+        if status is not None:
+            lines.append(f"STATUS={_one_line(status)}")
+        self.notify(*lines)
+
+    def extend_timeout(self, seconds: float) -> None:
+        """Ask for ``seconds`` more before the current start/stop timeout fires."""
+        self.notify(f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1_000_000))}")
+
+    def watchdog(self) -> None:
+        """One keep-alive ping."""
+        self.notify("WATCHDOG=1")
+
+    def watchdog_trigger(self) -> None:
+        """Make systemd take the watchdog action now (a detected unrecoverable state)."""
+        self.notify("WATCHDOG=trigger")
+
+    def watchdog_interval(self) -> float | None:
+        """Seconds between pings (half of ``WATCHDOG_USEC``), or None when no watchdog is ours."""
+        if not self.enabled or not self._watchdog_usec:
+            return None
+        if self._watchdog_pid is not None and self._watchdog_pid != os.getpid():
+            return None
+        return self._watchdog_usec / 2 / 1_000_000
+
+
+class WatchdogPinger:
+    """Pings ``WATCHDOG=1`` each interval, but only if :meth:`progress` was called since the last.
+
+    The daemon's main loop calls ``progress()`` each time round; a loop that is stuck
+    (or blocked) stops calling it, the pings stop, and systemd's ``WatchdogSec=`` fires.
+    """
+
+    def __init__(self, notifier: Notifier, *, interval: float | None = None) -> None:
+        self._notifier = notifier
+        self._interval = interval if interval is not None else notifier.watchdog_interval()
+        self._progressed = False
+        self.pings = 0
+
+    @property
+    def interval(self) -> float | None:
+        return self._interval
+
+    def progress(self) -> None:
+        """Record that the main loop completed a round."""
+        self._progressed = True
+
+    async def run(self) -> None:
+        """Ping until cancelled; returns at once when there is no watchdog."""
+        if self._interval is None:
+            return
+        while True:
+            await asyncio.sleep(self._interval)
+            if self._progressed:
+                self._progressed = False
+                self._notifier.watchdog()
+                self.pings += 1

@@ -1,0 +1,170 @@
+"""sd_notify protocol, watchdog gating and env scrubbing, against real AF_UNIX datagram sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chandrad.systemd import Notifier, WatchdogPinger, scrub_systemd_env
+
+
+@pytest.fixture
+def notify_sock(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(2.0)
+    yield sock, path
+    sock.close()
+
+
+def test_lifecycle_messages_in_order_and_utf8(notify_sock: tuple[socket.socket, str]) -> None:
+    """READY/STATUS/RELOADING/READY/EXTEND/STOPPING/WATCHDOG arrive as exact UTF-8 datagrams."""
+    sock, path = notify_sock
+    n = Notifier.from_env({"NOTIFY_SOCKET": path})
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    n.ready("engine loading")
+    n.status("processing 東京.pdf")
+    n.reloading()
+    n.ready()
+    n.extend_timeout(30)
+    n.stopping("draining 3 jobs")
+    n.watchdog()
+    after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    got = [sock.recv(65536).decode("utf-8") for _ in range(7)]
+    assert got[0] == "READY=1\nSTATUS=engine loading"
+    assert got[1] == "STATUS=processing 東京.pdf"
+    reload_lines = got[2].split("\n")
+    assert reload_lines[0] == "RELOADING=1"
+    key, _, usec = reload_lines[1].partition("=")
+    assert key == "MONOTONIC_USEC" and before <= int(usec) <= after
+    assert got[3:] == [
+        "READY=1",
+        "EXTEND_TIMEOUT_USEC=30000000",
+        "STOPPING=1\nSTATUS=draining 3 jobs",
+        "WATCHDOG=1",
+    ]
+
+
+def test_status_is_one_line(notify_sock: tuple[socket.socket, str]) -> None:
+    """A multi-line status is flattened so systemctl shows one line."""
+    sock, path = notify_sock
+    Notifier(path).status("reload failed:\n  engine.port: must be an integer\n")
+    assert sock.recv(65536).decode() == "STATUS=reload failed: engine.port: must be an integer"
+
+
+def test_abstract_namespace_socket() -> None:
+    """An '@name' NOTIFY_SOCKET reaches an abstract-namespace socket."""
+    name = f"chandrad-test-{os.getpid()}-{time.monotonic_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(2.0)
+    try:
+        Notifier.from_env({"NOTIFY_SOCKET": "@" + name}).ready()
+        assert sock.recv(1024) == b"READY=1"
+    finally:
+        sock.close()
+
+
+def test_noop_without_notify_socket() -> None:
+    """Without NOTIFY_SOCKET nothing is sent and there is no watchdog."""
+    n = Notifier.from_env({"WATCHDOG_USEC": "1000000"})
+    assert not n.enabled
+    assert n.notify("READY=1") is False
+    assert n.watchdog_interval() is None
+
+
+def test_send_failure_is_reported_not_raised(tmp_path: Path) -> None:
+    """A vanished notify socket makes notify() return False instead of crashing the daemon."""
+    n = Notifier(str(tmp_path / "gone"))
+    assert n.enabled
+    assert n.notify("STATUS=x") is False
+
+
+def test_watchdog_interval_is_half_and_respects_pid(notify_sock: tuple[socket.socket, str]) -> None:
+    """WATCHDOG_USEC is halved; a WATCHDOG_PID of another process disables it."""
+    _, path = notify_sock
+    env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}
+    assert Notifier.from_env(env).watchdog_interval() == 1.0
+    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid())}).watchdog_interval() == 1.0
+    foreign = {**env, "WATCHDOG_PID": str(os.getpid() + 1)}
+    assert Notifier.from_env(foreign).watchdog_interval() is None
+
+
+def test_stalled_loop_stops_watchdog_pings(notify_sock: tuple[socket.socket, str]) -> None:
+    """Pings flow while the loop reports progress and stop once it stalls."""
+    sock, path = notify_sock
+    pinger = WatchdogPinger(Notifier.from_env({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000"}))
+    assert pinger.interval == pytest.approx(0.05)
+    received: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def reader() -> None:  # plays systemd: reads the notify socket promptly
+        sock.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                received.append((time.monotonic(), sock.recv(1024).decode()))
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+
+    async def scenario() -> float:
+        task = asyncio.create_task(pinger.run())
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:  # a healthy main loop
+            pinger.progress()
+            await asyncio.sleep(0.01)
+        stalled_at = time.monotonic()
+        await asyncio.sleep(0.6)  # the loop is alive but makes no progress
+        task.cancel()
+        return stalled_at
+
+    try:
+        stalled_at = asyncio.run(scenario())
+    finally:
+        stop.set()
+        thread.join()
+    healthy = [m for t, m in received if t <= stalled_at]
+    late = [m for t, m in received if t > stalled_at + 0.1]  # one interval + slack
+    assert len(healthy) >= 5 and set(healthy) == {"WATCHDOG=1"}
+    assert late == []
+
+
+def test_pinger_returns_without_watchdog() -> None:
+    """With no WATCHDOG_USEC the pinger task ends at once."""
+    pinger = WatchdogPinger(Notifier(None))
+    asyncio.run(asyncio.wait_for(pinger.run(), timeout=1.0))
+    assert pinger.pings == 0
+
+
+def test_scrubbed_env_reaches_child_without_systemd_vars() -> None:
+    """A child started with scrub_systemd_env sees none of NOTIFY_SOCKET/WATCHDOG_*/LISTEN_*."""
+    env = {
+        **os.environ,
+        "NOTIFY_SOCKET": "/run/systemd/notify",
+        "WATCHDOG_USEC": "60000000",
+        "WATCHDOG_PID": "1",
+        "LISTEN_FDS": "1",
+        "LISTEN_PID": "1",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    code = "import os, json; print(json.dumps(sorted(os.environ)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=scrub_systemd_env(env), capture_output=True, text=True,
+        check=True,
+    ).stdout
+    names = set(json.loads(out))
+    assert "CUDA_VISIBLE_DEVICES" in names
+    assert not {n for n in names if n.startswith(("NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_"))}
