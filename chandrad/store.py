@@ -1,0 +1,647 @@
+"""The durable queue: jobs, pages and learned profiles in SQLite (SPEC §5).
+
+Owns ``<state_dir>/chandrad.sqlite3``, the source of truth for what was accepted,
+what is done and what failed. Every public method is one short transaction, so a
+``kill -9`` at any instant leaves either the old or the new state, never a mix.
+Recovery happens in :meth:`Store.open`: pages left ``in_flight`` go back to
+``pending`` (their result never reached the store, so they must be recomputed);
+``running`` jobs stay ``running`` and are resumed at page granularity.
+
+Threading: one :class:`Store` holds one connection and must be used from one
+thread, the daemon's event-loop thread (sqlite3 enforces it). Calls are short
+(sub-millisecond plus one fsync), so they run inline on the loop.
+
+Must not import any other chandrad adapter or service (only ``errors``, ``states``).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chandrad.errors import InternalError
+from chandrad.states import (
+    JOB_ACTIVE,
+    JOB_FINISHED,
+    JOB_TRANSITIONS,
+    PAGE_TRANSITIONS,
+    JobState,
+    PageState,
+    is_legal,
+)
+
+DB_NAME = "chandrad.sqlite3"
+DUPLICATE_POLICIES = ("process", "skip")
+
+#: Schema migrations by version; version N is reached by running MIGRATIONS[N - 1].
+#: Append only: never edit a released step, add a new one.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE jobs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        watch_index INTEGER NOT NULL,
+        input_root TEXT NOT NULL,
+        path TEXT NOT NULL,
+        abs_path TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        mtime REAL NOT NULL,
+        sha256 TEXT NOT NULL,
+        state TEXT NOT NULL,
+        pages_total INTEGER,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        error_code TEXT,
+        error_message TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        started_at REAL,
+        finished_at REAL,
+        output_dir TEXT,
+        final_path TEXT
+    );
+    CREATE INDEX jobs_by_state ON jobs (state, id);
+    CREATE INDEX jobs_by_path ON jobs (abs_path, state);
+    CREATE INDEX jobs_by_hash ON jobs (sha256, state);
+    CREATE TABLE pages (
+        job_id INTEGER NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+        page_index INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        releases INTEGER NOT NULL DEFAULT 0,
+        width INTEGER,
+        height INTEGER,
+        result_json TEXT,
+        error TEXT,
+        seconds REAL,
+        started_at REAL,
+        finished_at REAL,
+        PRIMARY KEY (job_id, page_index)
+    ) WITHOUT ROWID;
+    CREATE INDEX pages_by_state ON pages (state);
+    CREATE INDEX pages_done_at ON pages (finished_at) WHERE state = 'done';
+    CREATE TABLE learned_profiles (
+        key TEXT PRIMARY KEY,
+        profile_json TEXT NOT NULL,
+        saved_at REAL NOT NULL
+    );
+    """,
+)
+
+_JOB_COLUMNS = """
+    j.id, j.watch_index, j.input_root, j.path, j.abs_path, j.size, j.mtime, j.sha256,
+    j.state, j.pages_total, j.attempts, j.error_code, j.error_message, j.created_at,
+    j.updated_at, j.started_at, j.finished_at, j.output_dir, j.final_path,
+    (SELECT COUNT(*) FROM pages p WHERE p.job_id = j.id AND p.state = 'done'),
+    (SELECT COUNT(*) FROM pages p WHERE p.job_id = j.id AND p.state = 'failed')
+"""
+
+_PAGE_COLUMNS = """
+    job_id, page_index, state, attempts, releases, width, height, result_json, error,
+    seconds, started_at, finished_at
+"""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One accepted input file, as stored."""
+
+    id: int
+    watch_index: int
+    input_root: Path
+    path: Path  # relative to input_root
+    abs_path: Path
+    size: int
+    mtime: float
+    sha256: str
+    state: JobState
+    pages_total: int | None
+    attempts: int  # times the job entered RUNNING
+    error_code: str | None
+    error_message: str | None
+    created_at: float  # wall clock (time.time())
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+    output_dir: Path | None
+    final_path: Path | None
+    pages_done: int = 0
+    pages_failed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form for ``chandractl queue``."""
+        return {
+            "id": self.id,
+            "watch_index": self.watch_index,
+            "input_root": str(self.input_root),
+            "path": str(self.path),
+            "abs_path": str(self.abs_path),
+            "size": self.size,
+            "mtime": self.mtime,
+            "sha256": self.sha256,
+            "state": self.state.value,
+            "pages_total": self.pages_total,
+            "pages_done": self.pages_done,
+            "pages_failed": self.pages_failed,
+            "attempts": self.attempts,
+            "error_code": self.error_code,
+            "error_message": self.error_message,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "output_dir": str(self.output_dir) if self.output_dir else None,
+            "final_path": str(self.final_path) if self.final_path else None,
+        }
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of one job, as stored.
+
+    ``attempts`` counts inference attempts charged to the page (claims that ended in
+    ``finish_page``/``fail_page``, or are still in flight). ``releases`` counts claims
+    given back without an answer (engine died, daemon restarted); they are not charged,
+    but a page with many releases is a suspect for killing the engine.
+    """
+
+    job_id: int
+    index: int
+    state: PageState
+    attempts: int
+    releases: int
+    width: int | None
+    height: int | None
+    result: dict[str, Any] | None
+    error: str | None
+    seconds: float | None
+    started_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What :meth:`Store.open` repaired after an unclean stop."""
+
+    pages_released: int = 0
+    jobs_running: int = 0
+
+
+class Store:
+    """The SQLite store. Build with :meth:`open`; use from one thread."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn = conn
+        self.path = path
+        self.recovered = Recovered()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, state_dir: Path) -> Store:
+        """Open (creating if needed) the store in ``state_dir`` and recover from a crash."""
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path = state_dir / DB_NAME
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, one per method.
+        conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
+        conn.execute("PRAGMA journal_mode=WAL")
+        # FULL, not NORMAL: in WAL mode NORMAL survives kill -9 but a power cut may
+        # roll back the last commits. Ours record facts with side effects outside the
+        # database (an input moved to done/, outputs written), so a lost commit would
+        # disagree with the filesystem after a reboot. The cost is one fsync per state
+        # change, which is small next to a page of OCR; bulk intake uses accept_many.
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        store = cls(conn, path)
+        store._migrate()
+        store.recovered = store._recover()
+        return store
+
+    def close(self) -> None:
+        """Close the connection (checkpoints the WAL)."""
+        self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; IMMEDIATE so the read-check-write inside is atomic."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self._tx() as c:
+            c.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = c.execute("SELECT version FROM schema_version").fetchone()
+            if row is None:
+                c.execute("INSERT INTO schema_version (version) VALUES (0)")
+        version = self.schema_version()
+        if version > len(MIGRATIONS):
+            raise InternalError(
+                f"{self.path} has schema version {version}, newer than this chandrad "
+                f"understands ({len(MIGRATIONS)}); refusing to downgrade it",
+                path=str(self.path),
+            )
+        for target in range(version + 1, len(MIGRATIONS) + 1):
+            with self._tx() as c:
+                for statement in _statements(MIGRATIONS[target - 1]):
+                    c.execute(statement)
+                c.execute("UPDATE schema_version SET version = ?", (target,))
+
+    def schema_version(self) -> int:
+        """The schema version stored in the database."""
+        row = self._conn.execute("SELECT version FROM schema_version").fetchone()
+        return int(row[0])
+
+    def _recover(self) -> Recovered:
+        with self._tx() as c:
+            released = c.execute(
+                "UPDATE pages SET state = 'pending', attempts = MAX(attempts - 1, 0), "
+                "releases = releases + 1, started_at = NULL WHERE state = 'in_flight'"
+            ).rowcount
+            running = c.execute("SELECT COUNT(*) FROM jobs WHERE state = 'running'").fetchone()
+        return Recovered(pages_released=released, jobs_running=int(running[0]))
+
+    # -- jobs ------------------------------------------------------------------------
+
+    def accept(
+        self,
+        watch_index: int,
+        input_root: Path,
+        path: Path,
+        size: int,
+        mtime: float,
+        sha256: str,
+        duplicates: str = "process",
+    ) -> Job | None:
+        """Record a settled file as a new pending job; ``None`` when it is not new work.
+
+        ``path`` may be absolute (under ``input_root``) or relative to it. Not new work:
+        the same file (same absolute path and content hash) is already pending or
+        running; or ``duplicates == "skip"`` and a job with the same content hash has
+        already finished ``done`` (content duplicates, whatever their name). A pending
+        job for the same path whose content changed is updated in place instead of
+        queueing the path twice.
+        """
+        with self._tx():
+            job_id = self._accept_one(watch_index, input_root, path, size, mtime, sha256,
+                                      duplicates)
+        return None if job_id is None else self.get(job_id)
+
+    def accept_many(
+        self,
+        items: Iterable[tuple[int, Path, Path, int, float, str]],
+        duplicates: str = "process",
+    ) -> list[Job]:
+        """:meth:`accept` for a backlog in one transaction (one fsync for all).
+
+        Each item is ``(watch_index, input_root, path, size, mtime, sha256)``.
+        """
+        ids: list[int] = []
+        with self._tx():
+            for item in items:
+                job_id = self._accept_one(*item, duplicates)
+                if job_id is not None:
+                    ids.append(job_id)
+        return [job for job in (self.get(i) for i in ids) if job is not None]
+
+    def _accept_one(
+        self,
+        watch_index: int,
+        input_root: Path,
+        path: Path,
+        size: int,
+        mtime: float,
+        sha256: str,
+        duplicates: str,
+    ) -> int | None:
+        if duplicates not in DUPLICATE_POLICIES:
+            raise InternalError(f"duplicates={duplicates!r}: expected one of "
+                                f"{DUPLICATE_POLICIES}")
+        abs_path = path if path.is_absolute() else input_root / path
+        rel = abs_path.relative_to(input_root)
+        c = self._conn
+        now = time.time()
+        active = c.execute(
+            "SELECT id, state, sha256 FROM jobs WHERE abs_path = ? AND state IN "
+            "('pending', 'running') ORDER BY id",
+            (str(abs_path),),
+        ).fetchall()
+        for job_id, state, known_hash in active:
+            if known_hash == sha256:
+                return None
+            if state == JobState.PENDING:
+                c.execute(
+                    "UPDATE jobs SET size = ?, mtime = ?, sha256 = ?, updated_at = ? "
+                    "WHERE id = ?",
+                    (size, mtime, sha256, now, job_id),
+                )
+                return None
+        if duplicates == "skip":
+            done = c.execute(
+                "SELECT 1 FROM jobs WHERE sha256 = ? AND state = 'done' LIMIT 1", (sha256,)
+            ).fetchone()
+            if done is not None:
+                return None
+        cur = c.execute(
+            "INSERT INTO jobs (watch_index, input_root, path, abs_path, size, mtime, sha256, "
+            "state, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+            (watch_index, str(input_root), str(rel), str(abs_path), size, mtime, sha256,
+             now, now),
+        )
+        return cur.lastrowid
+
+    def get(self, job_id: int) -> Job | None:
+        """The job with this id, or ``None``."""
+        row = self._conn.execute(
+            f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.id = ?", (job_id,)
+        ).fetchone()
+        return None if row is None else _job(row)
+
+    def find_active(self, abs_path: Path) -> Job | None:
+        """The pending or running job for this input path, if any."""
+        row = self._conn.execute(
+            f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.abs_path = ? "
+            "AND j.state IN ('pending', 'running') ORDER BY j.id LIMIT 1",
+            (str(abs_path),),
+        ).fetchone()
+        return None if row is None else _job(row)
+
+    def next_pending(self, limit: int = 1) -> list[Job]:
+        """The oldest pending jobs, oldest first."""
+        rows = self._conn.execute(
+            f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.state = 'pending' "
+            "ORDER BY j.id LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [_job(r) for r in rows]
+
+    def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[Job]:
+        """Jobs, oldest first, optionally only those in ``state``."""
+        if state is None:
+            rows = self._conn.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs j ORDER BY j.id LIMIT ?", (limit,)
+            ).fetchall()
+        else:
+            rows = self._conn.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.state = ? ORDER BY j.id LIMIT ?",
+                (JobState(state).value, limit),
+            ).fetchall()
+        return [_job(r) for r in rows]
+
+    def set_job_state(
+        self,
+        job_id: int,
+        state: JobState,
+        *,
+        error_code: str | None = None,
+        error_message: str | None = None,
+        pages_total: int | None = None,
+        output_dir: Path | None = None,
+        final_path: Path | None = None,
+    ) -> None:
+        """Move a job along a legal edge of ``JOB_TRANSITIONS``; others raise InternalError.
+
+        Entering ``running`` counts an attempt and stamps ``started_at``; entering a
+        finished state stamps ``finished_at``; going back to ``pending`` clears the error.
+        Keyword values that are ``None`` leave the stored value as it is.
+        """
+        now = time.time()
+        with self._tx() as c:
+            old = self._job_state(job_id)
+            if not is_legal(JOB_TRANSITIONS, old, state):
+                raise InternalError(f"job {job_id}: illegal transition {old} -> {state}",
+                                    job=job_id, old=old.value, new=state.value)
+            sets = ["state = ?", "updated_at = ?"]
+            args: list[Any] = [state.value, now]
+            if state is JobState.RUNNING:
+                sets += ["attempts = attempts + 1", "started_at = ?", "finished_at = NULL"]
+                args.append(now)
+            elif state in JOB_FINISHED:
+                sets.append("finished_at = ?")
+                args.append(now)
+            elif state is JobState.PENDING:
+                sets += ["error_code = NULL", "error_message = NULL", "finished_at = NULL"]
+            for column, value in (("error_code", error_code), ("error_message", error_message),
+                                  ("pages_total", pages_total), ("output_dir", output_dir),
+                                  ("final_path", final_path)):
+                if value is not None:
+                    sets.append(f"{column} = ?")
+                    args.append(str(value) if isinstance(value, Path) else value)
+            c.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))
+
+    def _job_state(self, job_id: int) -> JobState:
+        row = self._conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise InternalError(f"job {job_id} does not exist", job=job_id)
+        return JobState(row[0])
+
+    def retry(self, job_id: int) -> bool:
+        """Requeue a failed or cancelled job; its failed pages go back to pending.
+
+        Pages already done are kept (not recomputed). Returns False when the job does
+        not exist or is not in a state that can be retried.
+        """
+        with self._tx():
+            return self._retry_one(job_id)
+
+    def retry_all_failed(self) -> int:
+        """Requeue every failed job; returns how many."""
+        with self._tx() as c:
+            ids = [r[0] for r in c.execute("SELECT id FROM jobs WHERE state = 'failed'")]
+            return sum(self._retry_one(i) for i in ids)
+
+    def _retry_one(self, job_id: int) -> bool:
+        c = self._conn
+        row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None or not is_legal(JOB_TRANSITIONS, JobState(row[0]), JobState.PENDING):
+            return False
+        c.execute(
+            "UPDATE jobs SET state = 'pending', error_code = NULL, error_message = NULL, "
+            "finished_at = NULL, updated_at = ? WHERE id = ?",
+            (time.time(), job_id),
+        )
+        # A retry is the operator's call: failed pages get a fresh attempt budget.
+        c.execute(
+            "UPDATE pages SET state = 'pending', attempts = 0, error = NULL, "
+            "finished_at = NULL WHERE job_id = ? AND state = 'failed'",
+            (job_id,),
+        )
+        return True
+
+    def cancel(self, job_id: int) -> bool:
+        """Cancel a pending or running job; False when it does not exist or already ended."""
+        with self._tx() as c:
+            row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or JobState(row[0]) not in JOB_ACTIVE:
+                return False
+            now = time.time()
+            c.execute(
+                "UPDATE jobs SET state = 'cancelled', finished_at = ?, updated_at = ? "
+                "WHERE id = ?",
+                (now, now, job_id),
+            )
+            return True
+
+    def counts(self) -> dict[str, int]:
+        """Jobs per state: pending, active (= running), done, failed, partial, cancelled."""
+        out = {"pending": 0, "active": 0, "done": 0, "failed": 0, "partial": 0, "cancelled": 0}
+        for state, n in self._conn.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+            out["active" if state == JobState.RUNNING else state] = n
+        return out
+
+    # -- pages -----------------------------------------------------------------------
+
+    def init_pages(self, job_id: int, count: int) -> None:
+        """Create pages ``0..count-1`` as pending and set ``pages_total``; idempotent.
+
+        Raises InternalError if the job already has a different page count (the input
+        changed under the job).
+        """
+        with self._tx() as c:
+            self._job_state(job_id)
+            row = c.execute("SELECT pages_total FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row[0] is not None and row[0] != count:
+                raise InternalError(f"job {job_id} has {row[0]} pages, not {count}",
+                                    job=job_id)
+            c.executemany(
+                "INSERT OR IGNORE INTO pages (job_id, page_index, state) "
+                "VALUES (?, ?, 'pending')",
+                ((job_id, i) for i in range(count)),
+            )
+            c.execute("UPDATE jobs SET pages_total = ?, updated_at = ? WHERE id = ?",
+                      (count, time.time(), job_id))
+
+    def pages(self, job_id: int) -> list[Page]:
+        """All pages of a job, in page order."""
+        rows = self._conn.execute(
+            f"SELECT {_PAGE_COLUMNS} FROM pages WHERE job_id = ? ORDER BY page_index",
+            (job_id,),
+        ).fetchall()
+        return [_page(r) for r in rows]
+
+    def claim_page(self, job_id: int, index: int) -> None:
+        """``pending -> in_flight``; charges one attempt."""
+        with self._tx() as c:
+            self._check_page(job_id, index, PageState.IN_FLIGHT)
+            c.execute(
+                "UPDATE pages SET state = 'in_flight', attempts = attempts + 1, "
+                "started_at = ? WHERE job_id = ? AND page_index = ?",
+                (time.time(), job_id, index),
+            )
+
+    def finish_page(
+        self, job_id: int, index: int, *, result: dict[str, Any], width: int, height: int,
+        seconds: float,
+    ) -> None:
+        """``in_flight -> done``, storing the parsed result so a restart never recomputes it."""
+        payload = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+        with self._tx() as c:
+            self._check_page(job_id, index, PageState.DONE)
+            c.execute(
+                "UPDATE pages SET state = 'done', result_json = ?, width = ?, height = ?, "
+                "seconds = ?, error = NULL, finished_at = ? WHERE job_id = ? AND page_index = ?",
+                (payload, width, height, seconds, time.time(), job_id, index),
+            )
+
+    def fail_page(self, job_id: int, index: int, error: str) -> None:
+        """``pending|in_flight -> failed`` with the reason."""
+        with self._tx() as c:
+            self._check_page(job_id, index, PageState.FAILED)
+            c.execute(
+                "UPDATE pages SET state = 'failed', error = ?, finished_at = ? "
+                "WHERE job_id = ? AND page_index = ?",
+                (error, time.time(), job_id, index),
+            )
+
+    def release_page(self, job_id: int, index: int) -> None:
+        """``in_flight -> pending`` without charging the attempt (counted in ``releases``)."""
+        with self._tx() as c:
+            self._check_page(job_id, index, PageState.PENDING)
+            c.execute(
+                "UPDATE pages SET state = 'pending', attempts = MAX(attempts - 1, 0), "
+                "releases = releases + 1, started_at = NULL "
+                "WHERE job_id = ? AND page_index = ?",
+                (job_id, index),
+            )
+
+    def release_all_in_flight(self) -> int:
+        """Give every in-flight page back to the queue (engine died); returns how many."""
+        with self._tx() as c:
+            return c.execute(
+                "UPDATE pages SET state = 'pending', attempts = MAX(attempts - 1, 0), "
+                "releases = releases + 1, started_at = NULL WHERE state = 'in_flight'"
+            ).rowcount
+
+    def _check_page(self, job_id: int, index: int, new: PageState) -> None:
+        row = self._conn.execute(
+            "SELECT state FROM pages WHERE job_id = ? AND page_index = ?", (job_id, index)
+        ).fetchone()
+        if row is None:
+            raise InternalError(f"job {job_id} has no page {index}", job=job_id, page=index)
+        old = PageState(row[0])
+        if not is_legal(PAGE_TRANSITIONS, old, new):
+            raise InternalError(f"job {job_id} page {index}: illegal transition {old} -> {new}",
+                                job=job_id, page=index, old=old.value, new=new.value)
+
+    def pages_done_since(self, t: float) -> int:
+        """Pages finished ``done`` at or after wall-clock time ``t`` (for pages/min)."""
+        row = self._conn.execute(
+            "SELECT COUNT(*) FROM pages WHERE state = 'done' AND finished_at >= ?", (t,)
+        ).fetchone()
+        return int(row[0])
+
+    # -- learned profiles ------------------------------------------------------------
+
+    def save_learned_profile(self, key: str, profile: dict[str, Any]) -> None:
+        """Store the profile that proved stable for ``key`` (model, vLLM, GPU name, count)."""
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO learned_profiles (key, profile_json, saved_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET profile_json = excluded.profile_json, "
+                "saved_at = excluded.saved_at",
+                (key, json.dumps(profile, sort_keys=True), time.time()),
+            )
+
+    def load_learned_profile(self, key: str) -> dict[str, Any] | None:
+        """The learned profile for ``key``, or ``None``."""
+        row = self._conn.execute(
+            "SELECT profile_json FROM learned_profiles WHERE key = ?", (key,)
+        ).fetchone()
+        if row is None:
+            return None
+        data = json.loads(row[0])
+        return data if isinstance(data, dict) else None
+
+
+def _statements(script: str) -> list[str]:
+    """Split a migration script into statements (ours contain no ``;`` in literals)."""
+    return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def _job(row: tuple[Any, ...]) -> Job:
+    return Job(
+        id=row[0], watch_index=row[1], input_root=Path(row[2]), path=Path(row[3]),
+        abs_path=Path(row[4]), size=row[5], mtime=row[6], sha256=row[7],
+        state=JobState(row[8]), pages_total=row[9], attempts=row[10], error_code=row[11],
+        error_message=row[12], created_at=row[13], updated_at=row[14], started_at=row[15],
+        finished_at=row[16], output_dir=Path(row[17]) if row[17] else None,
+        final_path=Path(row[18]) if row[18] else None, pages_done=row[19],
+        pages_failed=row[20],
+    )
+
+
+def _page(row: tuple[Any, ...]) -> Page:
+    return Page(
+        job_id=row[0], index=row[1], state=PageState(row[2]), attempts=row[3],
+        releases=row[4], width=row[5], height=row[6],
+        result=json.loads(row[7]) if row[7] is not None else None, error=row[8],
+        seconds=row[9], started_at=row[10], finished_at=row[11],
+    )
