@@ -1,0 +1,206 @@
+"""The chandra-ocr adapter: request bodies, retry policy and post-processing of one page.
+
+Pure functions, no network. Everything model-specific comes from the installed
+``chandra-ocr`` package (0.2.0, Chandra 2): the prompt (``chandra.prompts``), the
+resize rule and the repetition detector (``chandra.model.util``), the first-try
+sampling (``chandra.model.vllm.generate_vllm`` defaults) and the HTML → Markdown /
+HTML / layout / image-crop conversions (``chandra.output``). The only thing retyped
+here is the retry temperature schedule, which is inline in ``generate_vllm``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import inspect
+import io
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from chandra.model.util import detect_repeat_token, scale_to_fit
+from chandra.model.vllm import generate_vllm
+from chandra.output import extract_images, parse_chunks, parse_html, parse_markdown
+from chandra.prompts import PROMPT_MAPPING
+from chandra.settings import settings as chandra_settings
+from PIL import Image
+
+from chandrad.errors import InputError
+
+_VLLM_DEFAULTS = inspect.signature(generate_vllm).parameters
+#: First-attempt sampling of Chandra's vLLM client (temperature 0.0, top_p 0.1).
+FIRST_TEMPERATURE: float = float(_VLLM_DEFAULTS["temperature"].default)
+FIRST_TOP_P: float = float(_VLLM_DEFAULTS["top_p"].default)
+#: Retry schedule, from ``generate_vllm.process_item`` in chandra-ocr 0.2.0:
+#: ``temperature = min(temperature + 0.2 * (retries + 1), 0.8)`` with ``top_p=0.95``.
+RETRY_TEMPERATURE_STEP = 0.2
+RETRY_TEMPERATURE_MAX = 0.8
+RETRY_TOP_P = 0.95
+#: Chandra's defaults: 12384 output tokens, 6 retries, bboxes normalised to 0..1000.
+DEFAULT_MAX_OUTPUT_TOKENS: int = chandra_settings.MAX_OUTPUT_TOKENS
+DEFAULT_RETRIES: int = chandra_settings.MAX_VLLM_RETRIES
+BBOX_SCALE: int = chandra_settings.BBOX_SCALE
+#: Chandra's own ``scale_to_fit`` defaults, which its vLLM client applies to every page.
+_CHANDRA_MAX_SIZE = (3072, 2048)
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass
+class PageResult:
+    """One page after Chandra's post-processing."""
+
+    markdown: str
+    html: str
+    blocks: list[dict[str, Any]]  # {"label", "bbox": [x0, y0, x1, y1] in page pixels, "html"}
+    images: dict[str, bytes]  # file name (as referenced by the HTML) → encoded image
+    notes: list[str] = field(default_factory=list)  # what chandra complained about
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    if len(png) < 24 or not png.startswith(_PNG_SIGNATURE) or png[12:16] != b"IHDR":
+        raise InputError("page image is not a PNG")
+    width, height = struct.unpack(">II", png[16:24])
+    return int(width), int(height)
+
+
+def _as_sent(page_png: bytes) -> bytes:
+    """The PNG Chandra's client would send: ``scale_to_fit`` applied if it changes anything."""
+    image = Image.open(io.BytesIO(page_png))
+    fitted = scale_to_fit(image, max_size=_CHANDRA_MAX_SIZE)
+    if fitted is image:
+        return page_png
+    buf = io.BytesIO()
+    fitted.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def build_chat_request(
+    page_png: bytes,
+    *,
+    model: str,
+    prompt_type: str,
+    max_output_tokens: int,
+    temperature: float,
+    top_p: float,
+) -> dict[str, Any]:
+    """The OpenAI chat-completions body for one page, as ``chandra.model.vllm`` builds it.
+
+    One user message, image first (PNG data URL) then the prompt, no system prompt.
+    Pages from :mod:`chandrad.render` already have the size ``scale_to_fit`` wants, so
+    they are sent byte for byte; any other PNG is resized by Chandra's rule first.
+    """
+    try:
+        prompt = PROMPT_MAPPING[prompt_type]
+    except KeyError:
+        known = ", ".join(sorted(PROMPT_MAPPING))
+        raise InputError(f"unknown prompt type {prompt_type!r} (known: {known})") from None
+    _png_size(page_png)
+    image_b64 = base64.b64encode(_as_sent(page_png)).decode("ascii")
+    return {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": f"data:image/png;base64,{image_b64}"},
+                    },
+                    {"type": "text", "text": prompt},
+                ],
+            }
+        ],
+        "max_tokens": max_output_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+    }
+
+
+def sampling_for_attempt(attempt: int) -> tuple[float, float]:
+    """(temperature, top_p) for ``attempt`` (0 = first try, 1 = first retry, ...)."""
+    if attempt < 0:
+        raise ValueError(f"attempt must be >= 0, got {attempt}")
+    if attempt == 0:
+        return FIRST_TEMPERATURE, FIRST_TOP_P
+    temperature = min(FIRST_TEMPERATURE + RETRY_TEMPERATURE_STEP * attempt, RETRY_TEMPERATURE_MAX)
+    return round(temperature, 6), RETRY_TOP_P
+
+
+def retry_reason(text: str, finish_reason: str | None) -> str | None:
+    """Why this answer should be retried: ``"repetition"``, ``"length"``, or None.
+
+    Repetition uses Chandra's test (``_should_retry``): the tail repeats, or it does
+    once the last 50 characters are cut off. ``finish_reason == "length"`` (the answer
+    hit ``max_tokens``) is chandrad's addition; Chandra does not check it.
+    """
+    if detect_repeat_token(text) or (len(text) > 50 and detect_repeat_token(text, cut_from_end=50)):
+        return "repetition"
+    if finish_reason == "length":
+        return "length"
+    return None
+
+
+def _encode_crop(name: str, image: Image.Image) -> bytes:
+    """Encode in the format the name promises (Chandra names crops ``*_img.webp``)."""
+    suffix = name.rsplit(".", 1)[-1].lower()
+    fmt = {"webp": "WEBP", "png": "PNG", "jpg": "JPEG", "jpeg": "JPEG"}.get(suffix, "PNG")
+    if fmt == "JPEG" and image.mode not in ("RGB", "L"):
+        image = image.convert("RGB")
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def parse_page(
+    raw_html: str,
+    page_png: bytes,
+    *,
+    include_images: bool,
+    include_headers_footers: bool,
+) -> PageResult:
+    """Post-process the model's raw HTML for one page with ``chandra.output``.
+
+    Never raises on bad model output: each conversion that fails leaves its part empty
+    and adds a note. ``bbox`` values are in the pixels of ``page_png``.
+    """
+    notes: list[str] = []
+    chandra_said = io.StringIO()  # chandra.output prints its complaints to stdout
+    markdown = html = ""
+    chunks: list[dict[str, Any]] = []
+    images: dict[str, bytes] = {}
+    with Image.open(io.BytesIO(page_png)) as opened:
+        page = opened.convert("RGB")
+    with contextlib.redirect_stdout(chandra_said):
+        try:
+            markdown = str(
+                parse_markdown(
+                    raw_html,
+                    include_headers_footers=include_headers_footers,
+                    include_images=include_images,
+                )
+            )
+            html = str(
+                parse_html(
+                    raw_html,
+                    include_headers_footers=include_headers_footers,
+                    include_images=include_images,
+                )
+            )
+        except Exception as exc:  # chandra.output on arbitrary model text
+            notes.append(f"html/markdown conversion failed: {exc!r}")
+        try:
+            chunks = list(parse_chunks(raw_html, page, bbox_scale=BBOX_SCALE))
+        except Exception as exc:
+            notes.append(f"layout parsing failed: {exc!r}")
+        if include_images and chunks:
+            try:
+                crops = extract_images(raw_html, chunks, page)
+                images = {str(name): _encode_crop(str(name), crop) for name, crop in crops.items()}
+            except Exception as exc:
+                notes.append(f"image extraction failed: {exc!r}")
+    notes.extend(line for line in chandra_said.getvalue().splitlines() if line.strip())
+    blocks = [
+        {"label": str(c["label"]), "bbox": [int(v) for v in c["bbox"]], "html": str(c["content"])}
+        for c in chunks
+    ]
+    return PageResult(markdown=markdown, html=html, blocks=blocks, images=images, notes=notes)

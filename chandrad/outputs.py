@@ -1,0 +1,342 @@
+"""Everything chandrad writes to disk for a document, and moving the input away (SPEC §5).
+
+Owns the output layout ``<output>/<relative dir>/<stem>/`` (``<stem>.md``,
+``<stem>.html``, ``<stem>.json``, ``<stem>_metadata.json``, extracted images), atomic
+writes (temp file in the same directory, fsync, rename, fsync the directory), moving
+an input to ``done/`` or ``failed/`` without ever overwriting, and ``<name>.error.json``.
+
+Who owns an output directory: ``write_document`` first writes a small claim file,
+``.chandrad-source.json``, holding the source path, its ``source_sha256`` (from the
+metadata) and the files written. Writing the same source again (the daemon was killed
+after writing but before moving the input) replaces the same files and removes files
+of the earlier write that are no longer produced; it never makes a second directory.
+A *different* source (other sha256) whose output would land on an occupied directory,
+or a directory chandrad did not create, gets the next free ``<stem> (1)``,
+``<stem> (2)``, ... directory instead.
+
+Name clashes in ``done/``/``failed/`` use the same style: ``report.pdf`` becomes
+``report (1).pdf``, ``report (2).pdf``, ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chandrad.errors import OutputError
+
+CLAIM_FILE = ".chandrad-source.json"
+_MAX_SUFFIX = 10_000
+_COPY_CHUNK = 1 << 20
+
+
+@dataclass
+class PageOutput:
+    """One source page as it goes into the outputs."""
+
+    page: int  # 1-based
+    status: str  # "ok" | "failed"
+    attempts: int
+    error: str | None
+    width: int
+    height: int
+    markdown: str = ""
+    html: str = ""
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+    images: dict[str, bytes] = field(default_factory=dict)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new file, never a part."""
+    tmp = _temp_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def output_dir_for(output_root: Path, input_root: Path, input_path: Path) -> Path:
+    """``<output>/<relative dir>/<stem>`` for an input found under ``input_root``."""
+    try:
+        relative = input_path.relative_to(input_root)
+    except ValueError as exc:
+        raise OutputError(f"{input_path} is not under the watched folder {input_root}") from exc
+    return output_root / relative.parent / input_path.stem
+
+
+def _suffixed(path: Path, n: int) -> Path:
+    """``name (n).ext`` (``name (n)`` for a directory or a name without a suffix)."""
+    return path.with_name(f"{path.stem} ({n}){path.suffix}")
+
+
+def _read_claim(directory: Path) -> dict[str, Any] | None:
+    try:
+        claim = json.loads((directory / CLAIM_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return claim if isinstance(claim, dict) else None
+
+
+def _identity(metadata: dict[str, Any]) -> tuple[str, str]:
+    return str(metadata.get("source", "")), str(metadata.get("source_sha256", ""))
+
+
+def _claims_same_source(claim: dict[str, Any], metadata: dict[str, Any]) -> bool:
+    source, sha = _identity(metadata)
+    if sha:
+        return bool(claim.get("source_sha256") == sha)
+    return bool(claim.get("source") == source)
+
+
+def _choose_dir(out_dir: Path, metadata: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
+    """The directory this document owns (or may take), and its previous claim if any."""
+    for n in range(_MAX_SUFFIX):
+        candidate = out_dir if n == 0 else out_dir.with_name(f"{out_dir.name} ({n})")
+        if not candidate.exists():
+            return candidate, None
+        if candidate.is_dir() and not any(candidate.iterdir()):
+            return candidate, None  # created by an earlier attempt that died at once
+        claim = _read_claim(candidate)
+        if claim is not None and _claims_same_source(claim, metadata):
+            return candidate, claim
+    raise OutputError(f"no free output directory next to {out_dir}")
+
+
+def _document_json(source: str, pages: list[PageOutput]) -> dict[str, Any]:
+    entries = []
+    for p in pages:
+        entry: dict[str, Any] = {"page": p.page, "status": p.status, "attempts": p.attempts}
+        if p.error:
+            entry["error"] = p.error
+        entry.update(width=p.width, height=p.height, blocks=p.blocks)
+        entries.append(entry)
+    return {"source": source, "pages": entries}
+
+
+def _page_images(pages: list[PageOutput]) -> tuple[dict[str, bytes], list[PageOutput]]:
+    """All image crops by file name; a name reused by another page with other bytes is
+    renamed ``p<page>_<name>`` and that page's HTML and Markdown follow the new name."""
+    images: dict[str, bytes] = {}
+    fixed: list[PageOutput] = []
+    for page in pages:
+        renames: dict[str, str] = {}
+        for name, data in page.images.items():
+            if name in images and images[name] != data:
+                renames[name] = f"p{page.page}_{name}"
+            images[renames.get(name, name)] = data
+        if renames:
+            html, markdown = page.html, page.markdown
+            for old, new in renames.items():
+                html, markdown = html.replace(old, new), markdown.replace(old, new)
+            page = PageOutput(**{**page.__dict__, "html": html, "markdown": markdown})
+        fixed.append(page)
+    return images, fixed
+
+
+def write_document(
+    out_dir: Path,
+    stem: str,
+    pages: list[PageOutput],
+    metadata: dict[str, Any],
+    formats: tuple[str, ...],
+) -> list[Path]:
+    """Write every output of one document atomically; return the paths written.
+
+    ``metadata`` should carry ``source`` and ``source_sha256`` (they decide who owns
+    ``out_dir``, see the module docstring) plus model, engine profile and timings; page
+    counts and per-page summaries are added here. The metadata file is written last,
+    so its presence means the document is complete. ``formats`` picks among
+    ``md``, ``html`` and ``json``.
+    """
+    pages = sorted(pages, key=lambda p: p.page)
+    images, pages = _page_images(pages)
+    target, previous = _choose_dir(out_dir, metadata)
+    source, sha = _identity(metadata)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {target}: {exc.strerror or exc}") from exc
+
+    files: dict[str, bytes] = {}
+    metadata_name = f"{stem}_metadata.json"
+    if "md" in formats:
+        files[f"{stem}.md"] = ("\n\n".join(p.markdown for p in pages if p.markdown) + "\n").encode()
+    if "html" in formats:
+        files[f"{stem}.html"] = ("\n\n".join(p.html for p in pages if p.html) + "\n").encode()
+    if "json" in formats:
+        files[f"{stem}.json"] = _json_bytes(_document_json(source or stem, pages))
+    for name in images:
+        if not name or "/" in name or name.startswith(".") or name in (*files, metadata_name):
+            raise OutputError(f"refusing image file name {name!r} for {target}")
+    files.update(images)
+    full_metadata = {
+        **metadata,
+        "num_pages": len(pages),
+        "pages_ok": sum(p.status == "ok" for p in pages),
+        "pages_failed": sum(p.status != "ok" for p in pages),
+        "total_images": len(images),
+        "pages": [
+            {
+                "page": p.page,
+                "status": p.status,
+                "attempts": p.attempts,
+                "width": p.width,
+                "height": p.height,
+                "num_blocks": len(p.blocks),
+                "num_images": len(p.images),
+            }
+            for p in pages
+        ],
+    }
+    names = [*files, metadata_name]
+    claim = {"source": source, "source_sha256": sha, "files": names}
+    atomic_write(target / CLAIM_FILE, _json_bytes(claim))
+
+    written: list[Path] = []
+    for name, data in files.items():
+        atomic_write(target / name, data)
+        written.append(target / name)
+    atomic_write(target / metadata_name, _json_bytes(full_metadata))
+    written.append(target / metadata_name)
+
+    stale = set(previous.get("files", []) if previous else []) - set(names)
+    for name in stale:
+        if "/" in str(name) or str(name).startswith("."):
+            continue  # only plain names we wrote ourselves
+        with contextlib.suppress(FileNotFoundError):
+            (target / str(name)).unlink()
+    if stale:
+        fsync_dir(target)
+    return written
+
+
+def _copy_durably(src: Path, dst: Path) -> None:
+    with src.open("rb") as fin, dst.open("xb") as fout:
+        shutil.copyfileobj(fin, fout, _COPY_CHUNK)
+        fout.flush()
+        os.fsync(fout.fileno())
+    shutil.copystat(src, dst)
+
+
+def _place(src: Path, dst: Path) -> bool:
+    """Put ``src`` at ``dst`` unless ``dst`` exists; False if it does. Same filesystem."""
+    try:
+        os.link(src, dst)  # fails with EEXIST instead of overwriting, unlike rename
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        if dst.exists():  # no hard links on this filesystem: check, then rename
+            return False
+        os.rename(src, dst)
+        return True
+    os.unlink(src)
+    return True
+
+
+def move_to(dest_dir: Path, input_root: Path, input_path: Path) -> Path:
+    """Move ``input_path`` to ``dest_dir/<relative dir>/<name>``; return where it went.
+
+    Never overwrites: on a clash the name gets `` (1)``, `` (2)``, ... before the
+    extension. Works across filesystems (copy, fsync, then unlink the original).
+    If a previous move was interrupted after linking (both names are the same file),
+    the move is completed instead of making a second copy.
+    """
+    try:
+        relative = input_path.relative_to(input_root)
+    except ValueError as exc:
+        raise OutputError(f"{input_path} is not under the watched folder {input_root}") from exc
+    final_dir = dest_dir / relative.parent
+    try:
+        final_dir.mkdir(parents=True, exist_ok=True)
+        for n in range(_MAX_SUFFIX):
+            dst = (
+                final_dir / input_path.name if n == 0 else _suffixed(final_dir / input_path.name, n)
+            )
+            if dst.exists() and os.path.samefile(dst, input_path):
+                input_path.unlink()
+                break
+            try:
+                if _place(input_path, dst):
+                    break
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                if _move_across(input_path, dst):
+                    break
+        else:
+            raise OutputError(f"no free name for {input_path.name} in {final_dir}")
+        fsync_dir(final_dir)
+        fsync_dir(input_path.parent)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot move {input_path} to {final_dir}: {exc.strerror or exc}", path=str(input_path)
+        ) from exc
+    return dst
+
+
+def _move_across(src: Path, dst: Path) -> bool:
+    """Copy to a temp name beside ``dst``, then claim ``dst`` without overwriting."""
+    tmp = _temp_name(dst)
+    try:
+        _copy_durably(src, tmp)
+        placed = _place(tmp, dst)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    if placed:
+        src.unlink()
+    return placed
+
+
+def write_error_json(
+    failed_path: Path, code: str, message: str, attempts: int, timestamps: dict[str, Any]
+) -> Path:
+    """Write ``<name>.error.json`` beside a failed input (reason code, message, attempts)."""
+    path = failed_path.with_name(f"{failed_path.name}.error.json")
+    body = {
+        "file": failed_path.name,
+        "code": code,
+        "message": message,
+        "attempts": attempts,
+        "timestamps": timestamps,
+    }
+    atomic_write(path, _json_bytes(body))
+    return path

@@ -1,0 +1,383 @@
+"""Page rendering: input files → page PNGs at Chandra's size policy, in a process pool.
+
+Owns content sniffing (:func:`probe`), rasterising one page (:func:`render_page`:
+PyMuPDF for PDFs, Pillow for images), the guards against hostile input, and
+:class:`RenderPool`, which runs both in worker processes so that a slow or crashing
+page never blocks or kills the daemon.
+
+Size policy (Chandra 2, chandra-ocr 0.2.0):
+
+* PDFs are rendered at ``max(IMAGE_DPI, min_side_px / shortest side in points * 72)``
+  dpi (``chandra.input.load_pdf_images``; ``IMAGE_DPI`` is 192 in ``chandra.settings``).
+* Images are upscaled so the shortest side is at least ``min_side_px``
+  (``chandra.input.load_image``, which uses ``MIN_IMAGE_DIM``; chandrad uses the
+  configured ``min_side_px`` for both kinds).
+* Then ``chandra.model.util.scale_to_fit`` decides the final size: total pixels within
+  ``max_pixels`` and both sides snapped to its 28-px grid. We ask it for the size up
+  front, so a PDF page is rasterised directly at the final size (never at a huge zoom
+  and shrunk afterwards) and an image is resampled once.
+
+The page PNG is therefore exactly what Chandra's vLLM client would send (it calls
+``scale_to_fit`` again, which is then a no-op), and block bboxes are in its pixels.
+"""
+
+# PyMuPDF ships partial annotations: many of its methods are untyped.
+# mypy: disable-error-code="no-untyped-call"
+from __future__ import annotations
+
+import asyncio
+import io
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pymupdf
+from chandra.model.util import scale_to_fit
+from chandra.settings import settings as chandra_settings
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from chandrad.errors import (
+    DecompressionBomb,
+    EmptyInput,
+    EncryptedInput,
+    InputError,
+    RenderCrashed,
+    RenderTimeout,
+    TooManyPages,
+    UnsupportedFormat,
+)
+
+#: Image formats Chandra's CLI accepts (chandra/scripts/cli.py), by Pillow format name.
+IMAGE_FORMATS = frozenset({"PNG", "JPEG", "GIF", "WEBP", "TIFF", "BMP", "MPO"})
+#: Formats whose extra frames are pages. Animated GIF/WEBP frames are not pages.
+MULTIPAGE_FORMATS = frozenset({"TIFF"})
+#: Largest decoded size of one image embedded in a PDF (bytes at its own depth).
+#: A 35000 x 35000 1-bit scan is 153 MB and renders fine; 1 GiB is ~18900^2 RGB.
+MAX_PDF_IMAGE_BYTES = 1 << 30
+#: Components per colour space, for the decoded-size estimate; unknown spaces count as 4.
+_COMPONENTS = {"DeviceGray": 1, "CalGray": 1, "Indexed": 1, "DeviceRGB": 3, "CalRGB": 3}
+#: PNG compression for page images: level 1 is several times faster than the default
+#: and the pixels are the same; pages only travel over the loopback to the engine.
+PNG_COMPRESS_LEVEL = 1
+_SNIFF_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class DocumentInfo:
+    """What :func:`probe` learned about an input file."""
+
+    kind: str  # "pdf" | "image"
+    page_count: int
+    format: str  # "PDF" or the Pillow format name ("JPEG", "TIFF", ...)
+
+
+@dataclass(frozen=True)
+class RenderedPage:
+    """One page as sent to the model: a PNG and its pixel size."""
+
+    index: int  # 0-based
+    png: bytes
+    width: int
+    height: int
+
+
+class _SizeProbe:
+    """Stands in for a PIL image so ``scale_to_fit`` tells us its target size.
+
+    ``scale_to_fit`` only reads ``.size`` and calls ``.resize(size, resample=...)``;
+    answering with the size lets Chandra's own rule pick the size without allocating
+    pixels (the 35000 px page would otherwise need a 1.2 Gpx image).
+    """
+
+    def __init__(self, width: int, height: int) -> None:
+        self.size = (width, height)
+
+    def resize(self, size: tuple[int, int], resample: Any = None) -> tuple[int, int]:
+        return (int(size[0]), int(size[1]))
+
+
+def fit_size(width: float, height: float, min_side_px: int, max_pixels: int) -> tuple[int, int]:
+    """The final pixel size for a page of ``width`` x ``height`` at zoom 1.
+
+    Upscales so the shortest side reaches ``min_side_px``, then applies
+    ``chandra.model.util.scale_to_fit`` with a pixel budget of ``max_pixels``.
+    """
+    if width <= 0 or height <= 0:
+        raise InputError(f"page has no area ({width:g} x {height:g})")
+    scale = max(1.0, min_side_px / min(width, height))
+    w = max(1, int(width * scale))
+    h = max(1, int(height * scale))
+    result = scale_to_fit(_SizeProbe(w, h), max_size=(max_pixels, 1))
+    if isinstance(result, _SizeProbe):  # unchanged: already on the grid and in budget
+        return result.size
+    return (int(result[0]), int(result[1]))
+
+
+def _sniff(path: Path) -> bytes:
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(_SNIFF_BYTES)
+    except FileNotFoundError as exc:
+        raise InputError(f"{path.name}: file disappeared before it could be read") from exc
+    except OSError as exc:
+        raise InputError(f"{path.name}: cannot read: {exc.strerror or exc}") from exc
+    if not head:
+        raise EmptyInput(f"{path.name}: file is empty (0 bytes)")
+    return head
+
+
+def _is_pdf(head: bytes) -> bool:
+    # The PDF header may follow up to 1024 bytes of junk (ISO 32000-1, annex H.3).
+    return b"%PDF-" in head
+
+
+def _open_pdf(path: Path) -> pymupdf.Document:
+    try:
+        doc = pymupdf.open(path, filetype="pdf")
+    except pymupdf.EmptyFileError as exc:
+        raise EmptyInput(f"{path.name}: file is empty") from exc
+    except Exception as exc:  # MuPDF raises FileDataError and plain RuntimeErrors
+        raise InputError(f"{path.name}: PDF cannot be opened: {exc}") from exc
+    if doc.needs_pass and not doc.authenticate(""):
+        doc.close()
+        raise EncryptedInput(
+            f"{path.name}: PDF is encrypted with a user (open) password; "
+            "remove the password and drop the file again"
+        )
+    if doc.page_count == 0:
+        repaired = doc.is_repaired
+        doc.close()
+        if repaired:
+            raise InputError(
+                f"{path.name}: PDF is damaged (truncated or still being written?): "
+                "no page could be recovered"
+            )
+        raise EmptyInput(f"{path.name}: PDF has no pages")
+    return doc
+
+
+def _open_image(path: Path) -> Image.Image:
+    try:
+        img = Image.open(path)
+    except Image.DecompressionBombError as exc:
+        raise DecompressionBomb(
+            f"{path.name}: image refused as a decompression bomb: {exc}"
+        ) from exc
+    except UnidentifiedImageError as exc:
+        raise UnsupportedFormat(
+            f"{path.name}: not a PDF or a supported image (content is not recognised)"
+        ) from exc
+    except OSError as exc:
+        raise InputError(f"{path.name}: image header cannot be read: {exc}") from exc
+    if img.format not in IMAGE_FORMATS:
+        fmt = img.format
+        img.close()
+        raise UnsupportedFormat(
+            f"{path.name}: image format {fmt} is not supported "
+            f"(supported: PDF, {', '.join(sorted(IMAGE_FORMATS))})"
+        )
+    return img
+
+
+def _image_pages(img: Image.Image) -> int:
+    if img.format in MULTIPAGE_FORMATS:
+        return int(getattr(img, "n_frames", 1))
+    return 1
+
+
+def probe(path: Path, max_pages: int) -> DocumentInfo:
+    """Identify ``path`` by content and count its pages; raise an ``InputError`` if unusable."""
+    head = _sniff(path)
+    if _is_pdf(head):
+        doc = _open_pdf(path)
+        try:
+            info = DocumentInfo(kind="pdf", page_count=doc.page_count, format="PDF")
+        finally:
+            doc.close()
+    else:
+        img = _open_image(path)
+        try:
+            info = DocumentInfo(kind="image", page_count=_image_pages(img), format=str(img.format))
+        except Exception as exc:
+            raise InputError(f"{path.name}: cannot count the image's pages: {exc}") from exc
+        finally:
+            img.close()
+    if info.page_count > max_pages:
+        raise TooManyPages(
+            f"{path.name}: {info.page_count} pages exceeds the limit of {max_pages} (ocr.max_pages)"
+        )
+    return info
+
+
+def _check_pdf_images(path: Path, page: pymupdf.Page) -> None:
+    for item in page.get_images(full=True):
+        width, height, bpc, colorspace = item[2], item[3], item[4], item[5]
+        components = _COMPONENTS.get(str(colorspace), 4)
+        decoded = width * height * max(1, bpc) * components // 8
+        if decoded > MAX_PDF_IMAGE_BYTES:
+            raise DecompressionBomb(
+                f"{path.name}: page {page.number + 1} embeds a {width}x{height} image "
+                f"({decoded / 2**30:.1f} GiB decoded, limit {MAX_PDF_IMAGE_BYTES / 2**30:.0f} GiB)"
+            )
+
+
+def _encode_png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buf.getvalue()
+
+
+def _final(index: int, img: Image.Image, max_pixels: int) -> RenderedPage:
+    # A no-op when the size is already what scale_to_fit wants (the normal case).
+    img = scale_to_fit(img, max_size=(max_pixels, 1))
+    return RenderedPage(index=index, png=_encode_png(img), width=img.width, height=img.height)
+
+
+def _render_pdf_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
+    doc = _open_pdf(path)
+    try:
+        if not 0 <= index < doc.page_count:
+            raise InputError(
+                f"{path.name}: page {index + 1} does not exist ({doc.page_count} pages)"
+            )
+        page = doc[index]
+        _check_pdf_images(path, page)
+        rect = page.rect  # rotation and /UserUnit already applied by MuPDF
+        min_side_pt = min(rect.width, rect.height)
+        if min_side_pt <= 0:
+            raise InputError(f"{path.name}: page {index + 1} has an empty page box")
+        dpi_scale = chandra_settings.IMAGE_DPI / 72
+        width, height = fit_size(
+            rect.width * dpi_scale, rect.height * dpi_scale, min_side_px, max_pixels
+        )
+        matrix = pymupdf.Matrix(width / rect.width, height / rect.height)
+        try:
+            pix = page.get_pixmap(matrix=matrix, colorspace=pymupdf.csRGB, alpha=False)
+        except Exception as exc:
+            raise InputError(f"{path.name}: page {index + 1} cannot be rendered: {exc}") from exc
+        img = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+        if img.size != (width, height):  # MuPDF rounds the pixmap box outward by a pixel
+            img = img.resize((width, height), Image.Resampling.LANCZOS)
+        return _final(index, img, max_pixels)
+    finally:
+        doc.close()
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def _render_image_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
+    img = _open_image(path)
+    try:
+        pages = _image_pages(img)
+        if not 0 <= index < pages:
+            raise InputError(f"{path.name}: page {index + 1} does not exist ({pages} pages)")
+        try:
+            img.seek(index)
+            oriented = ImageOps.exif_transpose(img)
+            width, height = fit_size(oriented.width, oriented.height, min_side_px, max_pixels)
+            if img.format == "JPEG" and oriented is img:
+                img.draft("RGB", (width, height))  # let libjpeg decode at 1/2, 1/4, 1/8
+            rgb = _to_rgb(oriented)
+        except Image.DecompressionBombError as exc:
+            raise DecompressionBomb(f"{path.name}: refused as a decompression bomb: {exc}") from exc
+        except (OSError, ValueError, SyntaxError, EOFError) as exc:
+            raise InputError(
+                f"{path.name}: page {index + 1} image data cannot be decoded "
+                f"(truncated or corrupt): {exc}"
+            ) from exc
+        if rgb.size != (width, height):
+            rgb = rgb.resize((width, height), Image.Resampling.LANCZOS)
+        return _final(index, rgb, max_pixels)
+    finally:
+        img.close()
+
+
+def render_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
+    """Render page ``index`` (0-based) of ``path`` to a PNG at Chandra's size policy."""
+    head = _sniff(path)
+    if _is_pdf(head):
+        return _render_pdf_page(path, index, min_side_px, max_pixels)
+    return _render_image_page(path, index, min_side_px, max_pixels)
+
+
+def _worker_init() -> None:
+    # Quiet MuPDF's stderr chatter about repaired xrefs; errors still raise.
+    pymupdf.TOOLS.mupdf_display_errors(False)
+    pymupdf.TOOLS.mupdf_display_warnings(False)
+
+
+class RenderPool:
+    """Runs :func:`probe` and :func:`render_page` in a pool of spawned worker processes.
+
+    A worker that dies (segfault in a decoder, killed for memory) or overruns
+    ``timeout`` is taken down with the whole pool, which is rebuilt for the next call;
+    the affected call raises :class:`RenderCrashed` or :class:`RenderTimeout`.
+    """
+
+    def __init__(self, workers: int = 0, timeout: float = 300.0) -> None:
+        self.workers = workers if workers > 0 else (os.cpu_count() or 1)
+        self.timeout = timeout
+        self._context = multiprocessing.get_context("spawn")
+        self._executor: ProcessPoolExecutor | None = None
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=self._context, initializer=_worker_init
+            )
+        return self._executor
+
+    def _recycle(self, executor: ProcessPoolExecutor) -> None:
+        if self._executor is not executor:
+            return  # another call already replaced it
+        self._executor = None
+        # ProcessPoolExecutor has no public way to stop a busy worker before 3.14.
+        processes = dict(getattr(executor, "_processes", None) or {})
+        executor.shutdown(wait=False, cancel_futures=True)
+        for proc in processes.values():
+            if proc.is_alive():
+                proc.kill()
+
+    async def _run(self, what: str, fn: Any, *args: Any) -> Any:
+        executor = self._pool()
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(executor, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.timeout)
+        except BrokenProcessPool as exc:
+            self._recycle(executor)
+            raise RenderCrashed(f"{what}: render worker died (crash or out of memory)") from exc
+        except TimeoutError as exc:
+            self._recycle(executor)
+            raise RenderTimeout(f"{what}: rendering took longer than {self.timeout:g} s") from exc
+
+    async def render(
+        self, path: Path, index: int, min_side_px: int, max_pixels: int
+    ) -> RenderedPage:
+        """Render one page in a worker process."""
+        what = f"{path.name} page {index + 1}"
+        page: RenderedPage = await self._run(
+            what, render_page, path, index, min_side_px, max_pixels
+        )
+        return page
+
+    async def probe(self, path: Path, max_pages: int) -> DocumentInfo:
+        """Probe a file in a worker process."""
+        info: DocumentInfo = await self._run(path.name, probe, path, max_pages)
+        return info
+
+    def close(self) -> None:
+        """Stop the workers; a later call starts a fresh pool."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
