@@ -1,0 +1,233 @@
+"""The control-socket wire format, shared by the daemon and ``chandractl`` (SPEC §6).
+
+Owns the protocol version, the command table (name → tier and argument schema),
+and encoding/decoding of newline-delimited JSON frames with a size limit::
+
+    request  {"v": 1, "id": 7, "cmd": "queue", "args": {"state": "failed"}}\\n
+    success  {"v": 1, "id": 7, "ok": true, "result": {"v": 1, ...}}\\n
+    failure  {"v": 1, "id": 7, "ok": false, "error": {"code": "not_found", "message": "..."}}\\n
+
+Pure: no sockets, no daemon. Error codes are those of ``errors.CONTROL_ERROR_CODES``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from chandrad import PROTOCOL_VERSION
+from chandrad.errors import CONTROL_ERROR_CODES, ControlError
+from chandrad.states import JobState
+
+#: Longest frame (request or reply line) either side accepts, newline excluded.
+MAX_LINE_BYTES = 1 << 20
+
+Tier = Literal["read", "write"]
+RequestId = str | int | None
+
+
+class ProtocolError(ControlError):
+    """A frame that cannot be honoured; ``error_code`` is one of ``CONTROL_ERROR_CODES``.
+
+    ``request_id`` is the id of the offending request when it could be read, so the
+    error reply can still be matched by the client.
+    """
+
+    def __init__(self, code: str, message: str, request_id: RequestId = None) -> None:
+        if code not in CONTROL_ERROR_CODES:
+            raise ValueError(f"unknown control error code {code!r}")
+        super().__init__(code, message)
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a command: its JSON type, whether required, allowed values."""
+
+    kind: type
+    required: bool = False
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command of the table: read commands need group membership, write need root/owner."""
+
+    tier: Tier
+    args: dict[str, Arg] = field(default_factory=dict)
+
+
+COMMANDS: dict[str, Command] = {
+    "status": Command("read"),
+    "queue": Command("read", {
+        "state": Arg(str, choices=tuple(s.value for s in JobState)),
+        "limit": Arg(int),
+    }),
+    "gpu": Command("read"),
+    "version": Command("read"),
+    "pause": Command("write"),
+    "resume": Command("write"),
+    "drain": Command("write", {"wait": Arg(bool)}),
+    "retry": Command("write", {"job": Arg(int), "failed": Arg(bool)}),
+    "cancel": Command("write", {"job": Arg(int, required=True)}),
+    "reload": Command("write", {"wait": Arg(bool)}),
+    "engine_restart": Command("write"),
+    "rescan": Command("write"),
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    id: RequestId
+    cmd: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: RequestId
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error_code: str = ""
+    error_message: str = ""
+
+
+def _dumps(obj: dict[str, Any]) -> bytes:
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+    if len(data) > MAX_LINE_BYTES:
+        raise ProtocolError("too_large", f"frame of {len(data)} bytes exceeds {MAX_LINE_BYTES}")
+    return data + b"\n"
+
+
+def _loads(line: bytes) -> dict[str, Any]:
+    if len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+        raise ProtocolError("too_large", f"frame exceeds {MAX_LINE_BYTES} bytes")
+    try:
+        obj = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError("bad_request", f"not a JSON object: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_request", "a frame must be one JSON object per line")
+    return obj
+
+
+def encode_request(cmd: str, args: dict[str, Any] | None = None, id: RequestId = None) -> bytes:
+    """One request line."""
+    return _dumps({"v": PROTOCOL_VERSION, "id": id, "cmd": cmd, "args": args or {}})
+
+
+def decode_request(line: bytes) -> Request:
+    """Parse one request line and check version and command name (not the arguments).
+
+    Raises:
+        ProtocolError: ``too_large``, ``bad_request``, ``unsupported_version`` or
+            ``unknown_command``, carrying the request id when it was readable.
+    """
+    obj = _loads(line)
+    rid = obj.get("id")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        rid = None
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "unsupported_version",
+            f"protocol version {version!r} is not supported; this daemon speaks "
+            f"v{PROTOCOL_VERSION} (upgrade or downgrade chandractl to match)",
+            rid,
+        )
+    cmd = obj.get("cmd")
+    if not isinstance(cmd, str):
+        raise ProtocolError("bad_request", "missing \"cmd\" (a string)", rid)
+    if cmd not in COMMANDS:
+        raise ProtocolError(
+            "unknown_command", f"unknown command {cmd!r}; known: {', '.join(COMMANDS)}", rid
+        )
+    args = obj.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise ProtocolError("bad_request", "\"args\" must be a JSON object", rid)
+    return Request(rid, cmd, args)
+
+
+def validate_args(cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Check ``args`` against the command table; return them unchanged when valid.
+
+    Raises:
+        ProtocolError: ``unknown_command`` or ``bad_request`` naming the argument.
+    """
+    spec = COMMANDS.get(cmd)
+    if spec is None:
+        raise ProtocolError("unknown_command", f"unknown command {cmd!r}")
+    for name in args:
+        if name not in spec.args:
+            allowed = ", ".join(spec.args) or "none"
+            raise ProtocolError(
+                "bad_request", f"{cmd}: unknown argument {name!r} (allowed: {allowed})"
+            )
+    for name, arg in spec.args.items():
+        if name not in args or args[name] is None:
+            if arg.required:
+                raise ProtocolError("bad_request", f"{cmd}: argument {name!r} is required")
+            continue
+        value = args[name]
+        # bool is an int in Python; JSON true is never a valid job id.
+        if not isinstance(value, arg.kind) or (isinstance(value, bool) and arg.kind is not bool):
+            raise ProtocolError(
+                "bad_request",
+                f"{cmd}: argument {name!r} must be {arg.kind.__name__}, got {value!r}",
+            )
+        if arg.choices and value not in arg.choices:
+            raise ProtocolError(
+                "bad_request",
+                f"{cmd}: argument {name!r} must be one of {', '.join(arg.choices)}",
+            )
+    return args
+
+
+def versioned(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with ``"v"`` first, so a ``--json`` consumer can check the schema."""
+    return {"v": PROTOCOL_VERSION, **{k: v for k, v in result.items() if k != "v"}}
+
+
+def encode_result(id: RequestId, result: dict[str, Any]) -> bytes:
+    """A success line; the result carries its own ``"v"``."""
+    return _dumps({"v": PROTOCOL_VERSION, "id": id, "ok": True, "result": versioned(result)})
+
+
+def encode_error(id: RequestId, code: str, message: str) -> bytes:
+    """A failure line. Long messages are cut so the frame always fits the limit."""
+    if code not in CONTROL_ERROR_CODES:
+        code = "internal_error"
+    message = message[: MAX_LINE_BYTES // 8]
+    return _dumps({
+        "v": PROTOCOL_VERSION, "id": id, "ok": False,
+        "error": {"code": code, "message": message},
+    })
+
+
+def decode_reply(line: bytes) -> Reply:
+    """Parse one reply line.
+
+    Raises:
+        ProtocolError: ``too_large``, ``bad_request`` (malformed), ``unsupported_version``.
+    """
+    obj = _loads(line)
+    rid = obj.get("id")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "unsupported_version",
+            f"daemon answered with protocol version {obj.get('v')!r}; this chandractl "
+            f"speaks v{PROTOCOL_VERSION}",
+        )
+    if obj.get("ok") is True:
+        result = obj.get("result")
+        if not isinstance(result, dict):
+            raise ProtocolError("bad_request", "reply has no result object")
+        return Reply(rid, True, result)
+    error = obj.get("error")
+    if obj.get("ok") is not False or not isinstance(error, dict):
+        raise ProtocolError("bad_request", "reply is neither ok nor a structured error")
+    return Reply(rid, False, error_code=str(error.get("code", "internal_error")),
+                 error_message=str(error.get("message", "")))
