@@ -1,0 +1,329 @@
+"""The control socket: an asyncio Unix stream server (SPEC §6).
+
+Owns the socket node (safe replacement of a stale one, mode and group), the peer
+check per connection (``SO_PEERCRED``), framing limits (line size, read timeout) and
+the error replies for bad frames. Commands run through ``control.handlers``.
+
+Access tiers, decided per connection from the peer's credentials:
+
+* ``write`` (every command): uid 0 and the daemon's own uid;
+* ``read`` (``status``, ``queue``, ``gpu``, ``version``): members of the socket's group
+  (the configured ``control.group``, else the daemon's primary group), by the peer's
+  primary gid or by supplementary membership in the group database;
+* nobody else may do anything, not even read: their requests are answered
+  ``forbidden``. (With the default mode 0660 such users cannot even connect.)
+
+Each connection is its own task and handles its requests in order, so a handler that
+waits (``drain --wait``, ``reload --wait``) only holds up its own client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import grp
+import os
+import pwd
+import socket
+import stat
+import struct
+from pathlib import Path
+from typing import Literal
+
+import structlog
+
+from chandrad.errors import ChandradError, ControlError
+from chandrad.protocol import (
+    COMMANDS,
+    MAX_LINE_BYTES,
+    ProtocolError,
+    RequestId,
+    decode_request,
+    encode_error,
+    encode_result,
+)
+
+from .handlers import Handlers
+
+log = structlog.get_logger("chandrad.control")
+
+Access = Literal["write", "read", "none"]
+
+#: Seconds a client may take to send a complete line (or to send nothing at all).
+DEFAULT_READ_TIMEOUT = 30.0
+
+
+class ControlSocketError(ChandradError):
+    """The control socket cannot be set up (path, group or permissions)."""
+
+    code = "control_socket_error"
+
+
+class ControlSocketInUse(ControlSocketError):
+    """Another live daemon answers on the socket path: refuse to steal it."""
+
+    code = "control_socket_in_use"
+
+
+def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the connected peer (Linux ``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _in_group(uid: int, gid: int, group_gid: int) -> bool:
+    """Whether a peer with ``uid``/primary ``gid`` belongs to ``group_gid``."""
+    if gid == group_gid:
+        return True
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return group_gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
+
+
+def _resolve_group(group: str) -> int:
+    if not group:
+        return os.getgid()
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError as exc:
+        raise ControlSocketError(
+            f"control.group {group!r} does not exist; create it (see systemd/chandrad.sysusers) "
+            "or set control.group to an existing group"
+        ) from exc
+
+
+def _check_stale(path: Path) -> None:
+    """Remove a dead socket left at ``path``; refuse a live one or a non-socket.
+
+    Raises:
+        ControlSocketInUse: a daemon answers on ``path``.
+        ControlSocketError: ``path`` is something other than a socket, or is unusable.
+    """
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ControlSocketError(
+            f"{path} exists and is not a socket; refusing to replace it (move it away)"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        # Nobody listens: a daemon died without unlinking its socket.
+        log.info("control_socket_stale", path=str(path))
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno == errno.EAGAIN:  # backlog full: someone is alive
+            raise ControlSocketInUse(f"{path}: a daemon is already listening there") from exc
+        raise ControlSocketError(f"cannot probe existing socket {path}: {exc}") from exc
+    finally:
+        probe.close()
+    raise ControlSocketInUse(
+        f"another chandrad is already answering on {path}; stop it first "
+        "(chandractl --socket ... status shows it) or choose another control.socket"
+    )
+
+
+class ControlServer:
+    """The Unix socket server. ``start()`` binds and listens; ``close()`` unlinks."""
+
+    def __init__(
+        self,
+        path: Path,
+        handlers: Handlers,
+        *,
+        mode: int = 0o660,
+        group: str = "",
+        owner_uid: int = os.getuid(),
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+    ) -> None:
+        self.path = Path(path)
+        self.handlers = handlers
+        self.mode = mode
+        self.group = group
+        self.owner_uid = owner_uid
+        self.read_timeout = read_timeout
+        self._group_gid = -1
+        self._server: asyncio.AbstractServer | None = None
+        self._inode: tuple[int, int] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Create the socket node and start serving.
+
+        Raises:
+            ControlSocketInUse: a live daemon already answers on the path.
+            ControlSocketError: bad group, path or permissions.
+        """
+        gid = _resolve_group(self.group)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ControlSocketError(f"cannot create {self.path.parent}: {exc}") from exc
+        _check_stale(self.path)
+        sock = self._bind(gid)
+        self._group_gid = os.stat(self.path).st_gid
+        self._server = await asyncio.start_unix_server(
+            self._on_connect, sock=sock, limit=MAX_LINE_BYTES + 1
+        )
+        log.info("control_listening", path=str(self.path), mode=oct(self.mode), gid=gid)
+
+    def _bind(self, gid: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The node is created as 0777 & ~umask: make it owner-only during bind, so
+        # there is no moment where it is wider than the configured mode. The umask is
+        # process-wide; this only ever narrows what another thread creates meanwhile.
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(str(self.path))
+        except OSError as exc:
+            sock.close()
+            raise ControlSocketError(f"cannot bind control socket {self.path}: {exc}") from exc
+        finally:
+            os.umask(old_umask)
+        try:
+            if os.stat(self.path).st_gid != gid:
+                os.chown(self.path, -1, gid)
+            os.chmod(self.path, self.mode)
+            sock.listen(64)
+        except OSError as exc:
+            sock.close()
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            raise ControlSocketError(
+                f"cannot set group/mode of {self.path}: {exc} (is the daemon user in "
+                f"group {self.group!r}?)"
+            ) from exc
+        sock.setblocking(False)
+        st = os.stat(self.path)
+        self._inode = (st.st_dev, st.st_ino)
+        return sock
+
+    async def close(self) -> None:
+        """Stop listening, end open connections and remove our socket node."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        # Unlink only our own node: a successor may already have replaced it.
+        with contextlib.suppress(OSError):
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                self.path.unlink()
+        self._inode = None
+
+    def _access(self, uid: int, gid: int) -> Access:
+        if uid == 0 or uid == self.owner_uid:
+            return "write"
+        if _in_group(uid, gid, self._group_gid):
+            return "read"
+        return "none"
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            sock = writer.get_extra_info("socket")
+            pid, uid, gid = _peer_credentials(sock)
+            await self._serve(reader, writer, pid, uid, self._access(uid, gid))
+        except ConnectionError:
+            pass
+        except Exception:
+            log.exception("control_connection_error")
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        pid: int,
+        uid: int,
+        access: Access,
+    ) -> None:
+        """Answer requests on one connection until EOF or a fatal framing error."""
+        while True:
+            try:
+                line = await asyncio.wait_for(reader.readuntil(b"\n"), self.read_timeout)
+            except asyncio.IncompleteReadError:
+                return  # EOF, with or without a partial line
+            except asyncio.LimitOverrunError:
+                await self._send(writer, encode_error(
+                    None, "too_large", f"request line exceeds {MAX_LINE_BYTES} bytes"))
+                await self._discard(reader, writer)
+                return
+            except TimeoutError:
+                await self._send(writer, encode_error(
+                    None, "timeout", f"no complete request line within {self.read_timeout:g} s"))
+                return
+            await self._send(writer, await self._answer(line, pid, uid, access))
+
+    async def _answer(self, line: bytes, pid: int, uid: int, access: Access) -> bytes:
+        rid: RequestId = None
+        try:
+            request = decode_request(line)
+            rid = request.id
+            tier = COMMANDS[request.cmd].tier
+            if access == "none" or (tier == "write" and access != "write"):
+                log.warning("control_forbidden", cmd=request.cmd, peer_uid=uid, peer_pid=pid)
+                need = ("root or the daemon's user" if tier == "write"
+                        else "membership in the control socket's group")
+                raise ProtocolError("forbidden", f"{request.cmd} needs {need} (uid {uid})", rid)
+            if tier == "write":
+                log.info("control_command", cmd=request.cmd, args=request.args,
+                         peer_uid=uid, peer_pid=pid)
+            result = await self.handlers.dispatch(request.cmd, request.args)
+            return encode_result(rid, result)
+        except ProtocolError as exc:
+            return encode_error(exc.request_id if exc.request_id is not None else rid,
+                                exc.error_code, exc.message)
+        except ControlError as exc:
+            return encode_error(rid, exc.error_code, exc.message)
+        except ChandradError as exc:
+            return encode_error(rid, "internal_error", f"{exc.code}: {exc.message}")
+        except Exception as exc:
+            log.exception("control_handler_error", peer_uid=uid)
+            return encode_error(rid, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    async def _discard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read off what the client still sends before closing.
+
+        Closing with unread bytes in the kernel buffer makes Linux send RST, and the
+        client would see ECONNRESET instead of our error reply.
+        """
+        with contextlib.suppress(OSError, RuntimeError):
+            writer.write_eof()
+        budget = 64 * MAX_LINE_BYTES
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            async with asyncio.timeout(2.0):
+                while budget > 0:
+                    chunk = await reader.read(65536)
+                    if not chunk:
+                        return
+                    budget -= len(chunk)
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+        writer.write(data)
+        await writer.drain()
