@@ -31,8 +31,26 @@ class EngineHandle(Protocol):
         """How many requests may be in flight now (from ``max_num_seqs`` and /metrics)."""
         ...
 
+    @property
+    def max_pixels(self) -> int:
+        """The page pixel budget in force (the profile may have lowered it)."""
+        ...
+
+    @property
+    def max_output_tokens(self) -> int:
+        """The output token budget in force (the profile may have lowered it)."""
+        ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """The engine part of ``status`` (state, pid, profile, last failure)."""
+        ...
+
     async def wait_ready(self) -> None:
         """Return once the engine is ``ready``."""
+        ...
+
+    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """One chat completion. Raises ``errors.EngineUnavailable`` when not ready or sick."""
         ...
 
     def report_failure(self, reason: str, evidence: str = "") -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from chandrad.config import AUTO_TABLE, MemoryConfig
+from chandrad.config import AUTO_TABLE, DownshiftConfig, MemoryConfig
 
 
 @dataclass(frozen=True)
@@ -89,3 +89,248 @@ def initial_profile(memory: MemoryConfig, gpu_total_gib: float | None) -> Memory
         kv_cache_memory_bytes=memory.kv_cache_memory_bytes,
         mm_processor_cache_gb=memory.mm_processor_cache_gb,
     )
+
+
+# --------------------------------------------------------------------------- the ladder
+
+#: Tokens of Chandra's layout prompt and chat template around one page (measured on
+#: the Qwen3-VL tokenizer: the prompt is ~900 tokens; rounded up).
+PROMPT_TOKENS = 1024
+#: Qwen-VL family: one visual token per 28x28 pixel patch after merging.
+PIXELS_PER_IMAGE_TOKEN = 28 * 28
+#: Margin kept free when gpu_memory_utilization is lowered to what the GPU has free.
+UTILIZATION_MARGIN = 0.03
+UTILIZATION_STEP = 0.05
+MIN_PIXELS_BUDGET = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What NVML says right now (``None`` fields: unknown, e.g. no GPU)."""
+
+    total_gib: float | None = None
+    free_gib: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The ladder's answer: a new profile, the same one (plain restart), or give up."""
+
+    profile: MemoryProfile | None  # None = a restart cannot help (fatal)
+    reason: str
+    degraded: bool = False  # the page budget was lowered (quality loss)
+
+    @property
+    def fatal(self) -> bool:
+        return self.profile is None
+
+
+def page_tokens(max_pixels: int, max_output_tokens: int) -> int:
+    """What one page needs in the context: prompt + image tokens + output budget."""
+    return PROMPT_TOKENS + max_pixels // PIXELS_PER_IMAGE_TOKEN + max_output_tokens
+
+
+def next_profile(
+    profile: MemoryProfile,
+    failure: str,
+    numbers: dict[str, float],
+    floors: DownshiftConfig,
+    *,
+    max_pixels: int,
+    max_output_tokens: int,
+    gpu: GpuFacts | None = None,
+    seen_before: bool = False,
+) -> Decision:
+    """One step down the ladder of SPEC §4.3 for failure class ``failure``.
+
+    Args:
+        profile: the profile the engine failed with.
+        failure: a ``FailureClass`` value.
+        numbers: what the failure message gave (see ``classify.Diagnosis.numbers``).
+        floors: limits from ``[engine.downshift]``.
+        max_pixels, max_output_tokens: the configured page budget (used unless the
+            profile already lowered it).
+        gpu: NVML facts, when there is a GPU.
+        seen_before: the same class already happened with this profile lineage
+            (fragmentation that recurs is treated as a runtime OOM).
+    """
+    pixels = profile.max_pixels or max_pixels
+    out_tokens = profile.max_output_tokens or max_output_tokens
+    if failure == "kv_cache_insufficient":
+        return _kv_cache(profile, numbers, floors, gpu, pixels, out_tokens)
+    if failure == "gpu_memory_utilization_too_high":
+        return _utilization(profile, numbers, floors, gpu)
+    if failure == "cuda_oom_load":
+        return _oom_load(profile, floors, pixels)
+    if failure == "fragmentation":
+        if not profile.expandable_segments:
+            return Decision(profile.with_changes(expandable_segments=True),
+                            "fragmentation: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return _oom_runtime(profile, floors, pixels, "fragmentation recurred with "
+                            "expandable_segments; treating it as a runtime OOM")
+    if failure == "cuda_oom_runtime":
+        return _oom_runtime(profile, floors, pixels, "CUDA OOM while serving")
+    if failure == "host_oom":
+        return _host_oom(profile, floors)
+    return Decision(profile, f"{failure}: restart with the same profile")
+
+
+def _halve(value: int | None, floor: int, default: int) -> int | None:
+    current = value if value is not None else default
+    new = max(floor, current // 2)
+    return new if new < current else None
+
+
+def _kv_cache(
+    profile: MemoryProfile,
+    numbers: dict[str, float],
+    floors: DownshiftConfig,
+    gpu: GpuFacts | None,
+    pixels: int,
+    out_tokens: int,
+) -> Decision:
+    need = page_tokens(pixels, out_tokens)
+    estimated = numbers.get("estimated_max_model_len")
+    if estimated is not None and int(estimated) >= max(need, floors.min_max_model_len):
+        new_len = int(estimated) // 16 * 16
+        current = profile.max_model_len
+        if current is None or new_len < current:
+            return Decision(profile.with_changes(max_model_len=new_len),
+                            f"KV cache holds {int(estimated)} tokens; a page needs {need}: "
+                            f"max_model_len {current} -> {new_len}")
+    # The KV cache cannot hold one page: add memory.
+    if profile.kv_cache_memory_bytes is not None:
+        if estimated and estimated > 0:
+            target = int(profile.kv_cache_memory_bytes * (need / estimated) * 1.25)
+        else:
+            target = profile.kv_cache_memory_bytes * 4
+        target = max(target, profile.kv_cache_memory_bytes * 2)
+        return Decision(profile.with_changes(kv_cache_memory_bytes=target),
+                        f"explicit KV cache budget too small for one page ({need} tokens): "
+                        f"kv_cache_memory_bytes {profile.kv_cache_memory_bytes} -> {target}")
+    util = profile.gpu_memory_utilization
+    if (util is not None and gpu is not None and gpu.free_gib is not None
+            and gpu.total_gib and util + UTILIZATION_STEP <= floors.max_gpu_memory_utilization
+            and gpu.free_gib / gpu.total_gib > UTILIZATION_STEP):
+        new_util = round(util + UTILIZATION_STEP, 2)
+        return Decision(profile.with_changes(gpu_memory_utilization=new_util),
+                        f"KV cache too small and the GPU has {gpu.free_gib:.1f} GiB free: "
+                        f"gpu_memory_utilization {util} -> {new_util}")
+    if not profile.enforce_eager:
+        return Decision(profile.with_changes(enforce_eager=True),
+                        "KV cache too small: enforce_eager frees the CUDA graph memory")
+    if profile.cpu_offload_gb < floors.max_cpu_offload_gb:
+        new_off = min(floors.max_cpu_offload_gb, profile.cpu_offload_gb + 4.0)
+        return Decision(profile.with_changes(cpu_offload_gb=new_off),
+                        f"KV cache too small: cpu_offload_gb {profile.cpu_offload_gb} -> {new_off}")
+    return _lower_page_budget(profile, pixels, out_tokens, estimated, floors)
+
+
+def _lower_page_budget(
+    profile: MemoryProfile, pixels: int, out_tokens: int, estimated: float | None,
+    floors: DownshiftConfig,
+) -> Decision:
+    if estimated is None or estimated < PROMPT_TOKENS + 256:
+        return Decision(None, "the KV cache cannot hold even a minimal page and no memory "
+                        "knob is left; give the engine more GPU memory or a smaller model")
+    room = int(estimated) - PROMPT_TOKENS
+    new_out = max(256, min(out_tokens, room // 2))
+    new_pixels = max(MIN_PIXELS_BUDGET // 4, min(pixels, (room - new_out) *
+                                                   PIXELS_PER_IMAGE_TOKEN))
+    new_len = int(estimated) // 16 * 16
+    if new_len < floors.min_max_model_len:
+        return Decision(None, f"the KV cache holds only {int(estimated)} tokens, below the "
+                        f"floor min_max_model_len={floors.min_max_model_len}")
+    return Decision(
+        profile.with_changes(max_model_len=new_len, max_pixels=new_pixels,
+                             max_output_tokens=new_out),
+        f"last resort: page budget lowered to {new_pixels} px and {new_out} output tokens "
+        f"to fit max_model_len {new_len} (degraded quality)",
+        degraded=True,
+    )
+
+
+def _utilization(
+    profile: MemoryProfile, numbers: dict[str, float], floors: DownshiftConfig, gpu: GpuFacts | None
+) -> Decision:
+    free = numbers.get("free_gib")
+    total = numbers.get("total_gib")
+    if (free is None or not total) and gpu is not None:
+        free, total = gpu.free_gib, gpu.total_gib
+    current = profile.gpu_memory_utilization or 0.9
+    if free is not None and total:
+        target = round(free / total - UTILIZATION_MARGIN, 2)
+    else:
+        target = round(current - UTILIZATION_STEP, 2)
+    target = min(target, round(current - 0.01, 2))
+    if target < floors.min_gpu_memory_utilization:
+        return Decision(None, f"only {target:.2f} of the GPU is free, below the floor "
+                        f"min_gpu_memory_utilization={floors.min_gpu_memory_utilization}; "
+                        "another process holds the GPU (see `chandractl gpu`)")
+    return Decision(profile.with_changes(gpu_memory_utilization=target),
+                    f"GPU has less free memory than asked: gpu_memory_utilization "
+                    f"{current} -> {target}")
+
+
+def _oom_load(profile: MemoryProfile, floors: DownshiftConfig, pixels: int) -> Decision:
+    if not profile.enforce_eager:
+        return Decision(profile.with_changes(enforce_eager=True),
+                        "CUDA OOM while loading: enforce_eager (no CUDA graphs)")
+    image_tokens = pixels // PIXELS_PER_IMAGE_TOKEN
+    seqs = _halve(profile.max_num_seqs, floors.min_max_num_seqs, 256)
+    batched = _halve(profile.max_num_batched_tokens,
+                     max(floors.min_max_num_batched_tokens, image_tokens), 8192)
+    if seqs is not None or batched is not None:
+        changes: dict[str, Any] = {}
+        if seqs is not None:
+            changes["max_num_seqs"] = seqs
+        if batched is not None:
+            changes["max_num_batched_tokens"] = batched
+        return Decision(profile.with_changes(**changes),
+                        "CUDA OOM while loading: fewer concurrent sequences and batched tokens")
+    if profile.cpu_offload_gb < floors.max_cpu_offload_gb:
+        new_off = min(floors.max_cpu_offload_gb, profile.cpu_offload_gb + 4.0)
+        return Decision(profile.with_changes(cpu_offload_gb=new_off),
+                        f"CUDA OOM while loading: cpu_offload_gb {profile.cpu_offload_gb} -> "
+                        f"{new_off}")
+    return Decision(None, "the model does not fit on this GPU even at the floors "
+                    "(enforce_eager, minimal batch, no more CPU offload allowed); raise "
+                    "engine.downshift.max_cpu_offload_gb or use a larger GPU")
+
+
+def _oom_runtime(
+    profile: MemoryProfile, floors: DownshiftConfig, pixels: int, why: str
+) -> Decision:
+    image_tokens = pixels // PIXELS_PER_IMAGE_TOKEN
+    seqs = _halve(profile.max_num_seqs, floors.min_max_num_seqs, 256)
+    batched = _halve(profile.max_num_batched_tokens,
+                     max(floors.min_max_num_batched_tokens, image_tokens), 8192)
+    new_pixels = max(MIN_PIXELS_BUDGET, int(pixels * 0.75))
+    changes: dict[str, Any] = {}
+    if seqs is not None:
+        changes["max_num_seqs"] = seqs
+    if batched is not None:
+        changes["max_num_batched_tokens"] = batched
+    degraded = new_pixels < pixels
+    if degraded:
+        changes["max_pixels"] = new_pixels
+    if not changes:
+        return Decision(None, f"{why}, and every knob is at its floor")
+    return Decision(profile.with_changes(**changes),
+                    f"{why}: halve max_num_seqs/max_num_batched_tokens, lower the pixel budget",
+                    degraded=degraded)
+
+
+def _host_oom(profile: MemoryProfile, floors: DownshiftConfig) -> Decision:
+    cache = profile.mm_processor_cache_gb
+    current = 4.0 if cache is None else cache
+    if current > 0:
+        new = 0.0 if current <= 1 else current / 2
+        return Decision(profile.with_changes(mm_processor_cache_gb=new),
+                        f"host RAM exhausted (kernel OOM killer): mm_processor_cache_gb "
+                        f"{cache} -> {new}")
+    seqs = _halve(profile.max_num_seqs, floors.min_max_num_seqs, 256)
+    if seqs is not None:
+        return Decision(profile.with_changes(max_num_seqs=seqs),
+                        "host RAM exhausted: fewer concurrent sequences")
+    return Decision(None, "host RAM exhausted even at the floors; add RAM or swap")

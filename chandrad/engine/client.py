@@ -1,0 +1,102 @@
+"""The HTTP side of one engine: health, model list, metrics and chat completions.
+
+Owns the ``httpx.AsyncClient`` to the OpenAI-compatible server. Transport failures
+become :class:`errors.EngineUnavailable`; nothing here decides what they mean.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+
+from chandrad.errors import EngineUnavailable
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+\-]+|NaN)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum each ``vllm:*`` series of a Prometheus text page over its labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _METRIC.match(line.strip())
+        if not match or match.group(3) == "NaN":
+            continue
+        out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(3))
+    return out
+
+
+class EngineClient:
+    """Async client for one engine base URL (``http://host:port``, no ``/v1``)."""
+
+    def __init__(self, base_url: str, *, api_key: str = "", timeout: float = 600.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        """``GET /health`` answered 200."""
+        try:
+            response = await self._http.get("/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def models(self, timeout: float = 5.0) -> list[str]:
+        """Model ids listed by ``GET /v1/models`` (empty when unreachable)."""
+        try:
+            response = await self._http.get("/v1/models", timeout=timeout)
+            if response.status_code != 200:
+                return []
+            data = response.json()
+        except (httpx.HTTPError, ValueError):
+            return []
+        return [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)]
+
+    async def is_ready(self, model: str) -> bool:
+        """SPEC §4.1 readiness: ``/health`` 200 and ``model`` listed in ``/v1/models``."""
+        return await self.health() and model in await self.models()
+
+    async def metrics(self, timeout: float = 2.0) -> dict[str, float]:
+        """The engine's ``vllm:*`` Prometheus series (empty when unavailable)."""
+        try:
+            response = await self._http.get("/metrics", timeout=timeout)
+        except httpx.HTTPError:
+            return {}
+        if response.status_code != 200:
+            return {}
+        return parse_metrics(response.text)
+
+    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """``POST /v1/chat/completions``.
+
+        Raises:
+            EngineUnavailable: transport error or a 5xx answer (the engine may be sick).
+            ValueError: a 4xx answer (the request itself is wrong), with the body text.
+        """
+        try:
+            response = await self._http.post(
+                "/v1/chat/completions", json=body,
+                timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+            )
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"engine request failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 500:
+            raise EngineUnavailable(
+                f"engine answered {response.status_code}: {response.text[:500]}",
+                status=response.status_code,
+            )
+        if response.status_code >= 400:
+            raise ValueError(f"engine rejected the request ({response.status_code}): "
+                             f"{response.text[:500]}")
+        result: dict[str, Any] = response.json()
+        return result

@@ -1,0 +1,180 @@
+"""The OS side of one engine child: spawn, read its output, stop it, prove it is gone.
+
+Owns one ``vllm serve`` process *session*: the API server is started with
+``start_new_session=True``, so it and everything it forks (``VLLM::EngineCore``,
+``VLLM::Worker``) share its session id. vLLM leaves EngineCore and workers running
+(holding GPU memory) when only the API server dies, so stopping signals the whole
+process group and then hunts every process of the session through ``/proc``.
+Knows nothing about states or failure classes; the supervisor owns those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+#: Longest engine output line kept whole; longer lines are cut (tracebacks of tensors).
+MAX_LINE_BYTES = 64 * 1024
+
+LineSink = Callable[[str, str], None]  # (stream name, line)
+
+
+def session_members(sid: int, proc: Path = Path("/proc")) -> set[int]:
+    """Every live pid whose session id is ``sid`` (zombies excluded)."""
+    members: set[int] = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may contain spaces and parentheses: split after the last ')'.
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) < 4:
+            continue
+        state, session = fields[0], fields[3]
+        if state != "Z" and int(session) == sid:
+            members.add(int(entry.name))
+    return members
+
+
+def process_name(pid: int) -> str:
+    """The process title (``VLLM::EngineCore`` etc.) or ``""`` if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+class EngineProcess:
+    """One spawned engine session. Create, :meth:`start`, then :meth:`stop` exactly once."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        on_line: LineSink,
+        cwd: Path | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.env = env
+        self.on_line = on_line
+        self.cwd = cwd
+        self._proc: asyncio.subprocess.Process | None = None
+        self._readers: list[asyncio.Task[None]] = []
+        self.started_at = 0.0
+        self.known_pids: set[int] = set()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    async def start(self) -> None:
+        """Spawn the child in a new session and start the line readers.
+
+        Raises:
+            OSError: the program could not be executed.
+        """
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+            limit=MAX_LINE_BYTES,
+        )
+        self.started_at = time.monotonic()
+        self.known_pids = {self._proc.pid}
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self._readers = [
+            asyncio.create_task(self._read(self._proc.stdout, "stdout")),
+            asyncio.create_task(self._read(self._proc.stderr, "stderr")),
+        ]
+
+    async def _read(self, stream: asyncio.StreamReader, name: str) -> None:
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:
+                # Line longer than the limit: take what is buffered and go on.
+                raw = await stream.read(MAX_LINE_BYTES)
+            except (asyncio.LimitOverrunError, ConnectionError):
+                raw = await stream.read(MAX_LINE_BYTES)
+            if not raw:
+                return
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if line:
+                self.on_line(name, line)
+
+    async def wait(self) -> int:
+        """Wait for the API server to exit and its output to be fully read."""
+        assert self._proc is not None
+        code = await self._proc.wait()
+        if self._readers:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*self._readers), timeout=5)
+        return code
+
+    def survivors(self) -> set[int]:
+        """Processes of this engine's session that are still alive."""
+        if self._proc is None:
+            return set()
+        alive = session_members(self._proc.pid)
+        self.known_pids |= alive
+        return alive
+
+    def _signal_all(self, sig: int) -> None:
+        assert self._proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+        # Members that moved to another process group but kept the session.
+        for pid in self.survivors():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    async def stop(self, timeout: float) -> set[int]:
+        """SIGTERM the whole session, SIGKILL what is left after ``timeout``.
+
+        Returns:
+            The pids that were still alive after SIGKILL and a grace period (should be
+            empty; a process stuck in the kernel can survive SIGKILL).
+        """
+        if self._proc is None:
+            return set()
+        self.survivors()  # remember every member before they start dying
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.returncode is None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._proc.wait(), timeout=0.2)
+            elif not self.survivors():
+                break
+            else:
+                await asyncio.sleep(0.2)
+        if self._proc.returncode is None or self.survivors():
+            self._signal_all(signal.SIGKILL)
+        for _ in range(50):
+            if self._proc.returncode is not None and not self.survivors():
+                break
+            if self._proc.returncode is None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._proc.wait(), timeout=0.1)
+            else:
+                await asyncio.sleep(0.1)
+        for task in self._readers:
+            task.cancel()
+        return self.survivors()

