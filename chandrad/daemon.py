@@ -1,0 +1,411 @@
+"""The daemon: wires every part from the config and owns the lifecycle.
+
+Start-up → serve → drain → shutdown (uvicorn's shape). Owns the one command queue
+that signals and control requests both feed (gunicorn's arbiter: signal handlers
+only enqueue), the ``DaemonState`` machine, reload, and the systemd notifications.
+Implements ``interfaces.DaemonControl`` for the control socket. The only place
+that imports concrete services and adapters together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from chandrad import PROTOCOL_VERSION, __version__
+from chandrad import gpu as nvml
+from chandrad.config import Config, load_config
+from chandrad.control.handlers import Handlers
+from chandrad.control.server import ControlServer
+from chandrad.engine.profile import GpuFacts
+from chandrad.engine.supervisor import EngineSupervisor, installed_vllm_version
+from chandrad.errors import ConfigError, ControlError, ExitCode
+from chandrad.pipeline import Pipeline
+from chandrad.render import RenderPool
+from chandrad.states import DAEMON_TRANSITIONS, DaemonState, EngineState
+from chandrad.store import Store
+from chandrad.systemd import Notifier, WatchdogPinger
+from chandrad.watch import FolderWatcher, SettledFile
+
+log = structlog.get_logger("chandrad.daemon")
+
+TICK = 1.0
+#: While draining, each tick asks systemd for this much more stop time.
+DRAIN_EXTEND_S = 30.0
+
+
+class NvmlProbe:
+    """``chandrad.gpu`` shaped as the supervisor's ``GpuProbe``."""
+
+    def facts(self) -> GpuFacts | None:
+        gpus = nvml.read_gpus()
+        if not gpus:
+            return None
+        smallest = min(gpus, key=lambda g: g.memory_total)
+        return GpuFacts(total_gib=smallest.memory_total / 2**30,
+                        free_gib=smallest.memory_free / 2**30)
+
+    def identity(self) -> tuple[str, int]:
+        gpus = nvml.read_gpus()
+        return (gpus[0].name if gpus else "cpu"), len(gpus)
+
+    def memory_held_by(self, pids: set[int]) -> dict[int, int]:
+        return nvml.pids_holding_memory(pids)
+
+
+@dataclass
+class _Command:
+    name: str
+    done: asyncio.Future[dict[str, Any]] | None = None
+
+
+class Daemon:
+    """One running chandrad."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.state = DaemonState.STARTING
+        self.started = time.monotonic()
+        self.notifier = Notifier.from_env()
+        self.pinger = WatchdogPinger(self.notifier)
+        self._commands: asyncio.Queue[_Command] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._drain_waiters: list[asyncio.Future[dict[str, Any]]] = []
+        self.exit_code = ExitCode.OK
+        self.store: Store | None = None
+        self.engine: EngineSupervisor | None = None
+        self.pipeline: Pipeline | None = None
+        self.watcher: FolderWatcher | None = None
+        self.render: RenderPool | None = None
+        self.control: ControlServer | None = None
+        self._paused_before_drain = False
+
+    # ------------------------------------------------------------ lifecycle
+    def _set_state(self, new: DaemonState, reason: str = "") -> None:
+        old = self.state
+        if new is old:
+            return
+        if new not in DAEMON_TRANSITIONS[old]:
+            log.error("daemon_state_illegal", old=old.value, new=new.value, reason=reason)
+            return
+        self.state = new
+        log.info("daemon_state", old=old.value, new=new.value, reason=reason)
+        self._notify_status()
+
+    def status_line(self) -> str:
+        engine = self.engine.state.value if self.engine else "-"
+        counts = self.store.counts() if self.store else {}
+        line = (f"{self.state.value}; engine {engine}; queue pending={counts.get('pending', 0)} "
+                f"active={counts.get('active', 0)} done={counts.get('done', 0)} "
+                f"failed={counts.get('failed', 0)}")
+        if self.engine and self.engine.state is EngineState.FATAL:
+            line += f"; ENGINE FATAL: {self.engine.fatal_reason} (chandractl engine restart)"
+        elif self.engine and self.engine.state is EngineState.STARTING:
+            line += " (engine loading)"
+        return line
+
+    def _notify_status(self) -> None:
+        self.notifier.status(self.status_line())
+
+    def _on_engine_change(self, new: EngineState, reason: str) -> None:
+        self._notify_status()
+        if new is EngineState.FATAL and self.config.engine.exit_on_fatal:
+            self.exit_code = ExitCode.UNAVAILABLE
+            self._commands.put_nowait(_Command("shutdown_now"))
+
+    async def serve(self) -> int:
+        """Run until stopped. Returns the exit code."""
+        await self._startup()
+        try:
+            await self._main_loop()
+        finally:
+            await self._shutdown()
+        return int(self.exit_code)
+
+    async def _startup(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        for sig, name in ((signal.SIGTERM, "shutdown"), (signal.SIGINT, "shutdown"),
+                          (signal.SIGHUP, "reload")):
+            loop.add_signal_handler(sig, self._commands.put_nowait, _Command(name))
+        self.store = Store.open(cfg.daemon.state_dir)
+        for w in cfg.watch:
+            for folder in (w.input, w.output, w.done, w.failed):
+                folder.mkdir(parents=True, exist_ok=True)
+        self.engine = EngineSupervisor(cfg.engine, cfg.ocr, gpu=NvmlProbe(), profiles=self.store,
+                                       on_change=self._on_engine_change)
+        self.render = RenderPool(cfg.ocr.render_workers)
+        self.pipeline = Pipeline(cfg, self.store, self.engine, self.render)
+        self.control = ControlServer(cfg.control_socket(), Handlers(self), mode=cfg.control.mode,
+                                     group=cfg.control.group)
+        await self.control.start()
+        self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
+        self.watcher.start()
+        self._tasks = [
+            asyncio.create_task(self.engine.run(), name="engine"),
+            asyncio.create_task(self.pipeline.run(), name="pipeline"),
+            asyncio.create_task(self.watcher.run(), name="watcher"),
+            asyncio.create_task(self.pinger.run(), name="watchdog"),
+        ]
+        self._set_state(DaemonState.RUNNING, "started")
+        self.notifier.ready(self.status_line())
+        log.info("daemon_started", version=__version__, pid=os.getpid(),
+                 socket=str(cfg.control_socket()), watches=len(cfg.watch))
+
+    def _on_settled(self, settled: SettledFile) -> None:
+        if self.pipeline is not None and self.state in (DaemonState.RUNNING, DaemonState.PAUSED,
+                                                         DaemonState.RELOADING):
+            self.pipeline.submit(settled.watch_index, settled.root, settled.path, settled.size,
+                                 settled.mtime)
+
+    async def _main_loop(self) -> None:
+        last_status = ""
+        while True:
+            self.pinger.progress()
+            try:
+                command = await asyncio.wait_for(self._commands.get(), timeout=TICK)
+            except TimeoutError:
+                command = None
+            for task in self._tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            if command is not None:
+                if command.name == "shutdown_now":
+                    return
+                if command.name == "shutdown":
+                    if await self._drain_then_stop():
+                        return
+                    continue
+                if command.name == "reload":
+                    result = await self._reload()
+                    if command.done is not None and not command.done.done():
+                        command.done.set_result(result)
+            self._check_drained()
+            line = self.status_line()
+            if line != last_status:
+                last_status = line
+                self.notifier.status(line)
+
+    async def _drain_then_stop(self) -> bool:
+        """SIGTERM: stop taking files, finish what is in flight, then stop (SPEC §7)."""
+        assert self.pipeline is not None and self.engine is not None
+        self._set_state(DaemonState.STOPPING, "SIGTERM")
+        self.notifier.stopping("draining: finishing accepted pages")
+        self.pipeline.accepting = False
+        if self.watcher is not None:
+            self.watcher.stop()
+        # Jobs in flight finish their current pages only when the engine can serve them.
+        deadline = time.monotonic() + self.config.engine.stop_timeout + 60
+        while (self.pipeline.active_jobs and self.engine.state is EngineState.READY
+               and time.monotonic() < deadline):
+            self.notifier.extend_timeout(DRAIN_EXTEND_S)
+            self.pinger.progress()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._commands.get(), timeout=TICK)
+        return True
+
+    def _check_drained(self) -> None:
+        if self.state is not DaemonState.DRAINING or self.pipeline is None:
+            return
+        if self.pipeline.idle():
+            self._set_state(DaemonState.DRAINED, "all accepted work finished")
+            for fut in self._drain_waiters:
+                if not fut.done():
+                    fut.set_result({"state": "drained", "queue": self._counts()})
+            self._drain_waiters.clear()
+
+    async def _shutdown(self) -> None:
+        if self.state is not DaemonState.STOPPING:
+            self._set_state(DaemonState.STOPPING, "shutdown")
+        self.notifier.stopping("stopping the engine")
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.control is not None:
+            await self.control.close()
+        for task in self._tasks:
+            if task.get_name() != "engine":
+                task.cancel()
+        if self.engine is not None:
+            self.notifier.extend_timeout(self.config.engine.stop_timeout + 30)
+            await self.engine.shutdown()
+            engine_task = next((t for t in self._tasks if t.get_name() == "engine"), None)
+            if engine_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(engine_task, self.config.engine.stop_timeout + 30)
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.store is not None:
+            # Pages cut off by the stop go back to the queue for the next start.
+            self.store.release_all_in_flight()
+            self.store.close()
+        if self.render is not None:
+            self.render.close()
+        log.info("daemon_stopped", exit_code=int(self.exit_code))
+
+    async def _reload(self) -> dict[str, Any]:
+        """Re-read the config; an invalid one is refused and the old one stays."""
+        assert self.engine is not None and self.pipeline is not None
+        previous = self.state
+        self._set_state(DaemonState.RELOADING, "reload requested")
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config.path)
+        except ConfigError as exc:
+            log.error("config_reload_refused", problems=[str(p) for p in exc.problems])
+            self._set_state(previous, "reload refused")
+            self.notifier.ready(self.status_line())
+            raise ControlError("invalid_state", "new config refused, old one kept:\n"
+                               + exc.message) from exc
+        restart = await self.engine.reconfigure(new.engine, new.ocr)
+        watches_changed = new.watch != self.config.watch
+        self.config = new
+        self.pipeline.config = new
+        if watches_changed and self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = FolderWatcher(new.watch, self._on_settled,
+                                         loop=asyncio.get_running_loop())
+            self.watcher.start()
+            self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
+        self._set_state(previous, "reloaded")
+        self.notifier.ready(self.status_line())
+        log.info("config_reloaded", engine_restart=restart, watches_changed=watches_changed)
+        return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed}
+
+    # ------------------------------------------------------------ DaemonControl
+    def _counts(self) -> dict[str, int]:
+        return self.store.counts() if self.store else {}
+
+    def status(self) -> dict[str, Any]:
+        assert self.store is not None and self.engine is not None
+        now = time.time()
+        return {
+            "v": PROTOCOL_VERSION,
+            "daemon": {
+                "state": self.state.value,
+                "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self.started, 1),
+                "version": __version__,
+                "config": str(self.config.path),
+                "accepting": bool(self.pipeline and self.pipeline.accepting),
+                "dispatching": bool(self.pipeline and self.pipeline.dispatching.is_set()),
+            },
+            "engine": self.engine.snapshot(),
+            "queue": self._counts(),
+            "throughput": {
+                "pages_per_min_1m": float(self.store.pages_done_since(now - 60)),
+                "pages_per_min_15m": round(self.store.pages_done_since(now - 900) / 15, 2),
+                "active_jobs": self.pipeline.active_jobs if self.pipeline else 0,
+            },
+            "gpus": nvml.gpu_summary().get("gpus", []),
+        }
+
+    def queue(self, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        assert self.store is not None
+        return [job.to_dict() for job in self.store.list_jobs(state, limit)]
+
+    def gpu(self) -> dict[str, Any]:
+        return nvml.gpu_summary()
+
+    def version(self) -> dict[str, Any]:
+        return {"daemon": __version__, "protocol": PROTOCOL_VERSION,
+                "engine": installed_vllm_version(), "pid": os.getpid()}
+
+    async def pause(self) -> dict[str, Any]:
+        assert self.pipeline is not None
+        if self.state not in (DaemonState.RUNNING, DaemonState.PAUSED):
+            raise ControlError("invalid_state", f"cannot pause while {self.state.value}")
+        self.pipeline.dispatching.clear()
+        self._set_state(DaemonState.PAUSED, "operator pause")
+        return {"state": self.state.value}
+
+    async def resume(self) -> dict[str, Any]:
+        assert self.pipeline is not None
+        if self.state not in (DaemonState.RUNNING, DaemonState.PAUSED):
+            raise ControlError("invalid_state", f"cannot resume while {self.state.value}")
+        self.pipeline.dispatching.set()
+        self._set_state(DaemonState.RUNNING, "operator resume")
+        return {"state": self.state.value}
+
+    async def drain(self, wait: bool = False) -> dict[str, Any]:
+        assert self.pipeline is not None
+        if self.state in (DaemonState.RUNNING, DaemonState.PAUSED):
+            self.pipeline.accepting = False
+            self.pipeline.dispatching.set()
+            self._set_state(DaemonState.DRAINING, "operator drain")
+        elif self.state not in (DaemonState.DRAINING, DaemonState.DRAINED):
+            raise ControlError("invalid_state", f"cannot drain while {self.state.value}")
+        self._check_drained()
+        if wait and self.state is DaemonState.DRAINING:
+            fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(fut)
+            return await fut
+        return {"state": self.state.value, "queue": self._counts()}
+
+    async def retry(self, job_id: int | None = None, all_failed: bool = False) -> dict[str, Any]:
+        assert self.store is not None and self.pipeline is not None
+        jobs = self.store.list_jobs("failed") if all_failed else []
+        if job_id is not None:
+            job = self.store.get(job_id)
+            if job is None:
+                raise ControlError("not_found", f"no job {job_id}")
+            jobs = [job]
+        retried = [j.id for j in jobs if self.pipeline.retry_job(j)]
+        if job_id is not None and not retried:
+            raise ControlError("invalid_state", f"job {job_id} is not failed or cancelled")
+        return {"retried": retried}
+
+    async def cancel(self, job_id: int) -> dict[str, Any]:
+        assert self.store is not None and self.pipeline is not None
+        if self.store.get(job_id) is None:
+            raise ControlError("not_found", f"no job {job_id}")
+        if not await self.pipeline.cancel_job(job_id):
+            raise ControlError("invalid_state", f"job {job_id} is already finished")
+        return {"cancelled": job_id}
+
+    async def reload(self, wait: bool = False) -> dict[str, Any]:
+        if not wait:
+            self._commands.put_nowait(_Command("reload"))
+            return {"queued": True}
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._commands.put_nowait(_Command("reload", fut))
+        result = await fut
+        assert self.engine is not None
+        if result.get("engine_restart"):
+            # --wait: return once the new engine settings are in effect (ready or given up).
+            while self.engine.state not in (EngineState.READY, EngineState.FATAL):
+                await asyncio.sleep(0.5)
+            result["engine_state"] = self.engine.state.value
+        return result
+
+    async def engine_restart(self) -> dict[str, Any]:
+        assert self.engine is not None
+        if not self.config.engine.supervised:
+            raise ControlError("invalid_state", "engine.url is set: the engine is remote and "
+                               "not supervised by chandrad")
+        self.engine.request("restart")
+        return {"requested": "restart", "engine_state": self.engine.state.value}
+
+    async def rescan(self) -> dict[str, Any]:
+        assert self.watcher is not None
+        if self.pipeline is not None and not self.pipeline.accepting:
+            raise ControlError("invalid_state", "draining: no new files are accepted")
+        found = self.watcher.rescan()
+        return {"candidates": found}
+
+
+async def _serve(config: Config) -> int:
+    daemon = Daemon(config)
+    return await daemon.serve()
+
+
+def run(config: Config) -> int:
+    """Entry for ``chandrad run``; ``cli.py`` maps exceptions to exit codes."""
+    return asyncio.run(_serve(config))
