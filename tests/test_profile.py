@@ -1,0 +1,170 @@
+"""The memory profile and the downshift ladder (pure: every class, every floor)."""
+
+from __future__ import annotations
+
+import pytest
+
+from chandrad.config import DownshiftConfig, MemoryConfig
+from chandrad.engine.profile import (
+    GpuFacts,
+    MemoryProfile,
+    auto_batching,
+    initial_profile,
+    next_profile,
+    page_tokens,
+)
+
+FLOORS = DownshiftConfig()
+BUDGET = {"max_pixels": 6291456, "max_output_tokens": 12384}
+
+
+def step(profile: MemoryProfile, failure: str, numbers: dict[str, float] | None = None,
+         **kw: object) -> MemoryProfile | None:
+    decision = next_profile(profile, failure, numbers or {}, kw.pop("floors", FLOORS),  # type: ignore[arg-type]
+                            **{**BUDGET, **kw})  # type: ignore[arg-type]
+    return decision.profile
+
+
+@pytest.mark.parametrize(("gib", "expected"), [
+    (79.2, (8192, 64)), (139.7, (8192, 64)), (44.4, (4096, 32)), (39.4, (4096, 32)),
+    (23.6, (2048, 16)), (15.7, (1024, 8)), (8.0, (1024, 8)), (None, None),
+])
+def test_auto_table(gib: float | None, expected: tuple[int, int] | None) -> None:
+    """Chandra 2's table maps reported GPU memory (GiB, slightly under the label) to sizes."""
+    assert auto_batching(gib) == expected
+
+
+def test_initial_profile_resolves_auto_from_gpu() -> None:
+    """'auto' knobs come from GPU memory; without a GPU they are left to vLLM."""
+    with_gpu = initial_profile(MemoryConfig(), 79.2)
+    assert (with_gpu.max_num_batched_tokens, with_gpu.max_num_seqs) == (8192, 64)
+    no_gpu = initial_profile(MemoryConfig(), None)
+    assert no_gpu.max_num_seqs is None and no_gpu.max_num_batched_tokens is None
+
+
+def test_kv_cache_uses_estimated_length_when_a_page_fits() -> None:
+    """kv_cache_insufficient with N ≥ one page sets max_model_len to N (block-aligned)."""
+    need = page_tokens(**BUDGET)
+    start = MemoryProfile(max_model_len=65536)
+    new = step(start, "kv_cache_insufficient", {"estimated_max_model_len": need + 1001})
+    assert new is not None and new.max_model_len == (need + 1001) // 16 * 16
+
+
+def test_kv_cache_too_small_for_a_page_raises_explicit_budget() -> None:
+    """An explicit kv_cache_memory_bytes that cannot hold one page is raised, in proportion."""
+    start = MemoryProfile(kv_cache_memory_bytes=1_000_000, max_model_len=4096)
+    new = step(start, "kv_cache_insufficient", {"estimated_max_model_len": 500},
+               max_pixels=200_000, max_output_tokens=256)
+    assert new is not None and new.kv_cache_memory_bytes is not None
+    need = page_tokens(200_000, 256)
+    assert new.kv_cache_memory_bytes >= 1_000_000 * need / 500
+
+
+def test_kv_cache_adds_memory_in_spec_order() -> None:
+    """Without a usable N: raise utilization if NVML shows free memory, then eager, then offload."""
+    gpu = GpuFacts(total_gib=80, free_gib=20)
+    p0 = MemoryProfile(gpu_memory_utilization=0.8)
+    floors = DownshiftConfig(max_cpu_offload_gb=8)
+    p1 = step(p0, "kv_cache_insufficient", gpu=gpu, floors=floors)
+    assert p1 is not None and p1.gpu_memory_utilization == 0.85
+    p2 = step(p1, "kv_cache_insufficient", gpu=GpuFacts(80, 1), floors=floors)
+    assert p2 is not None and p2.enforce_eager and p2.gpu_memory_utilization == 0.85
+    p3 = step(p2, "kv_cache_insufficient", gpu=GpuFacts(80, 1), floors=floors)
+    assert p3 is not None and p3.cpu_offload_gb == 4.0
+
+
+def test_kv_cache_last_resort_lowers_page_budget_as_degraded() -> None:
+    """With every memory knob spent, the page budget shrinks to fit N and is flagged degraded."""
+    p = MemoryProfile(enforce_eager=True)
+    decision = next_profile(p, "kv_cache_insufficient", {"estimated_max_model_len": 4000},
+                            FLOORS, **BUDGET)  # type: ignore[arg-type]
+    assert decision.degraded and decision.profile is not None
+    new = decision.profile
+    assert new.max_model_len == 4000 // 16 * 16
+    assert new.max_output_tokens is not None and new.max_pixels is not None
+    assert page_tokens(new.max_pixels, new.max_output_tokens) <= 4000 + 1024
+
+
+def test_kv_cache_below_floor_is_fatal() -> None:
+    """A KV cache smaller than min_max_model_len cannot be fixed by a restart."""
+    p = MemoryProfile(enforce_eager=True)
+    assert step(p, "kv_cache_insufficient", {"estimated_max_model_len": 1500}) is None
+
+
+def test_utilization_lowered_to_free_minus_margin() -> None:
+    """gpu_memory_utilization_too_high lowers utilization to free/total minus a margin."""
+    new = step(MemoryProfile(gpu_memory_utilization=0.9), "gpu_memory_utilization_too_high",
+               {"free_gib": 60.0, "total_gib": 80.0})
+    assert new is not None and new.gpu_memory_utilization == 0.72
+
+
+def test_utilization_uses_nvml_when_message_has_no_numbers() -> None:
+    """Without numbers in the message, NVML's free/total decide."""
+    new = step(MemoryProfile(gpu_memory_utilization=0.9), "gpu_memory_utilization_too_high",
+               gpu=GpuFacts(total_gib=80, free_gib=64))
+    assert new is not None and new.gpu_memory_utilization == 0.77
+
+
+def test_utilization_below_floor_is_fatal() -> None:
+    """If another process holds most of the GPU, chandrad gives up instead of looping."""
+    assert step(MemoryProfile(gpu_memory_utilization=0.9), "gpu_memory_utilization_too_high",
+                {"free_gib": 10.0, "total_gib": 80.0}) is None
+
+
+def test_oom_load_ladder_eager_then_batch_then_offload_then_fatal() -> None:
+    """cuda_oom_load: enforce_eager, then halve seqs/tokens to the floors, then offload, then fatal."""
+    floors = DownshiftConfig(max_cpu_offload_gb=4, min_max_num_seqs=16,
+                             min_max_num_batched_tokens=8192)
+    p = MemoryProfile(max_num_seqs=64, max_num_batched_tokens=16384)
+    seen = []
+    for _ in range(10):
+        nxt = step(p, "cuda_oom_load", floors=floors)
+        if nxt is None:
+            break
+        seen.append(nxt.changes_from(p))
+        p = nxt
+    assert list(seen[0]) == ["enforce_eager"]
+    assert seen[1] == {"max_num_seqs": (64, 32), "max_num_batched_tokens": (16384, 8192)}
+    assert seen[2] == {"max_num_seqs": (32, 16)}
+    assert seen[3] == {"cpu_offload_gb": (0.0, 4.0)}
+    assert len(seen) == 4
+
+
+def test_fragmentation_sets_expandable_segments_then_runtime() -> None:
+    """fragmentation: expandable_segments first; if it recurs, the runtime-OOM remedy."""
+    p1 = step(MemoryProfile(max_num_seqs=64), "fragmentation")
+    assert p1 is not None and p1.expandable_segments
+    p2 = step(p1, "fragmentation")
+    assert p2 is not None and p2.max_num_seqs == 32
+
+
+def test_runtime_oom_never_below_one_page_of_tokens() -> None:
+    """cuda_oom_runtime halves batching but keeps max_num_batched_tokens ≥ one page image."""
+    p = MemoryProfile(max_num_seqs=2, max_num_batched_tokens=9000)
+    new = step(p, "cuda_oom_runtime")
+    assert new is not None
+    assert new.max_num_seqs == 1
+    assert new.max_num_batched_tokens == 6291456 // 784  # one page image, not 9000 // 2
+    assert new.max_pixels is not None and new.max_pixels < 6291456
+
+
+def test_host_oom_lowers_processor_cache() -> None:
+    """host_oom: halve mm_processor_cache_gb to zero, then fewer sequences."""
+    p = step(MemoryProfile(), "host_oom")
+    assert p is not None and p.mm_processor_cache_gb == 2.0
+    p = step(MemoryProfile(mm_processor_cache_gb=1.0), "host_oom")
+    assert p is not None and p.mm_processor_cache_gb == 0.0
+    p = step(MemoryProfile(mm_processor_cache_gb=0.0, max_num_seqs=8), "host_oom")
+    assert p is not None and p.max_num_seqs == 4
+
+
+def test_other_fatal_keeps_profile() -> None:
+    """other_fatal never lowers memory: same profile, restart with backoff."""
+    p = MemoryProfile(max_num_seqs=64)
+    assert step(p, "other_fatal") == p
+
+
+def test_profile_round_trips_through_dict() -> None:
+    """Learned profiles are stored as dicts and come back equal; unknown keys are ignored."""
+    p = MemoryProfile(max_model_len=18000, expandable_segments=True)
+    assert MemoryProfile.from_dict({**p.to_dict(), "future_knob": 1}) == p
