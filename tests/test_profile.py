@@ -112,7 +112,7 @@ def test_utilization_below_floor_is_fatal() -> None:
 
 
 def test_oom_load_ladder_eager_then_batch_then_offload_then_fatal() -> None:
-    """cuda_oom_load: enforce_eager, then halve seqs/tokens to the floors, then offload, then fatal."""
+    """cuda_oom_load: eager, then halve seqs/tokens to the floors, then offload, then fatal."""
     floors = DownshiftConfig(max_cpu_offload_gb=4, min_max_num_seqs=16,
                              min_max_num_batched_tokens=8192)
     p = MemoryProfile(max_num_seqs=64, max_num_batched_tokens=16384)
