@@ -140,7 +140,8 @@ class Daemon:
             for folder in (w.input, w.output, w.done, w.failed):
                 folder.mkdir(parents=True, exist_ok=True)
         self.engine = EngineSupervisor(cfg.engine, cfg.ocr, gpu=NvmlProbe(), profiles=self.store,
-                                       on_change=self._on_engine_change)
+                                       on_change=self._on_engine_change,
+                                       session_file=cfg.daemon.state_dir / "engine.session")
         self.render = RenderPool(cfg.ocr.render_workers)
         self.pipeline = Pipeline(cfg, self.store, self.engine, self.render)
         self.control = ControlServer(cfg.control_socket(), Handlers(self), mode=cfg.control.mode,

@@ -56,8 +56,9 @@ def test_kv_cache_too_small_for_a_page_raises_explicit_budget() -> None:
     new = step(start, "kv_cache_insufficient", {"estimated_max_model_len": 500},
                max_pixels=200_000, max_output_tokens=256)
     assert new is not None and new.kv_cache_memory_bytes is not None
-    need = page_tokens(200_000, 256)
+    need = max(page_tokens(200_000, 256), FLOORS.min_max_model_len)
     assert new.kv_cache_memory_bytes >= 1_000_000 * need / 500
+    assert new.max_model_len is not None and need <= new.max_model_len < 4096
 
 
 def test_kv_cache_adds_memory_in_spec_order() -> None:

@@ -53,6 +53,25 @@ def process_name(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
+async def kill_session(sid: int, timeout: float) -> set[int]:
+    """SIGTERM, then SIGKILL, every process of session ``sid`` that is not ours.
+
+    For an engine left behind by a daemon that died without stopping it. Returns the
+    pids that were found.
+    """
+    found = session_members(sid) - {os.getpid()}
+    if not found:
+        return set()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session_members(sid) - {os.getpid()}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5.0)
+        while session_members(sid) - {os.getpid()} and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+    return found
+
+
 class EngineProcess:
     """One spawned engine session. Create, :meth:`start`, then :meth:`stop` exactly once."""
 

@@ -200,14 +200,21 @@ def _kv_cache(
                             f"max_model_len {current} -> {new_len}")
     # The KV cache cannot hold one page: add memory.
     if profile.kv_cache_memory_bytes is not None:
+        # An explicit KV budget: size it for one page (at least the floor length) and cap
+        # max_model_len there, so the next start fits without another round.
+        tokens = max(need, floors.min_max_model_len)
+        tokens = -(-tokens // 16) * 16
         if estimated and estimated > 0:
-            target = int(profile.kv_cache_memory_bytes * (need / estimated) * 1.25)
+            target = int(profile.kv_cache_memory_bytes * (tokens / estimated) * 1.25)
         else:
             target = profile.kv_cache_memory_bytes * 4
         target = max(target, profile.kv_cache_memory_bytes * 2)
-        return Decision(profile.with_changes(kv_cache_memory_bytes=target),
-                        f"explicit KV cache budget too small for one page ({need} tokens): "
-                        f"kv_cache_memory_bytes {profile.kv_cache_memory_bytes} -> {target}")
+        current_len = profile.max_model_len
+        new_len = tokens if current_len is None or current_len > tokens else current_len
+        return Decision(profile.with_changes(kv_cache_memory_bytes=target, max_model_len=new_len),
+                        f"explicit KV cache budget holds {int(estimated or 0)} tokens, a page "
+                        f"needs {need}: kv_cache_memory_bytes {profile.kv_cache_memory_bytes} "
+                        f"-> {target}, max_model_len {profile.max_model_len} -> {new_len}")
     util = profile.gpu_memory_utilization
     if (util is not None and gpu is not None and gpu.free_gib is not None
             and gpu.total_gib and util + UTILIZATION_STEP <= floors.max_gpu_memory_utilization

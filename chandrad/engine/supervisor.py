@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
@@ -31,7 +32,7 @@ from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
 from chandrad.engine.client import EngineClient
 from chandrad.engine.command import build_engine_command
-from chandrad.engine.process import EngineProcess
+from chandrad.engine.process import EngineProcess, kill_session
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
 from chandrad.errors import EngineUnavailable, InternalError
 from chandrad.states import ENGINE_TRANSITIONS, EngineState
@@ -117,8 +118,10 @@ class EngineSupervisor:
         profiles: LearnedProfiles | None = None,
         base_env: Mapping[str, str] | None = None,
         on_change: Callable[[EngineState, str], None] | None = None,
+        session_file: Path | None = None,
     ) -> None:
         self.engine = engine
+        self.session_file = session_file
         self.ocr = ocr
         self.gpu = gpu
         self.profiles = profiles
@@ -269,6 +272,7 @@ class EngineSupervisor:
 
     async def run(self, autostart: bool = True) -> None:
         """Drive the state machine until a ``shutdown`` command has been handled."""
+        await self._reap_stale_session()
         if autostart:
             self.request("start")
         try:
@@ -336,6 +340,7 @@ class EngineSupervisor:
             self._fail(gen.early, exit_code=None)
             return
         log.info("engine_spawned", pid=process.pid)
+        self._record_session(process.pid)
 
     def _line_sink(self, gen: _Generation) -> Callable[[str, str], None]:
         def sink(stream: str, line: str) -> None:
@@ -567,6 +572,7 @@ class EngineSupervisor:
             log.error("engine_orphans", pids=sorted(survivors),
                       names=[f"{p}" for p in survivors])
         await self._wait_gpu_release(process.known_pids)
+        self._record_session(None)
         if self._state is EngineState.STOPPING:
             self._transition(EngineState.STOPPED, reason)
 
@@ -578,6 +584,30 @@ class EngineSupervisor:
             held = self.gpu.memory_held_by(pids)
         if held:
             log.error("engine_gpu_memory_held", pids=sorted(held), bytes=sum(held.values()))
+
+    def _record_session(self, sid: int | None) -> None:
+        """Remember the engine's session id on disk, so that after a crash of the daemon
+        the next start can find and stop the engine it left behind."""
+        if self.session_file is None:
+            return
+        if sid is None:
+            self.session_file.unlink(missing_ok=True)
+        else:
+            self.session_file.write_text(f"{sid}\n")
+
+    async def _reap_stale_session(self) -> None:
+        if self.session_file is None or not self.session_file.exists():
+            return
+        try:
+            sid = int(self.session_file.read_text().strip())
+        except ValueError:
+            sid = 0
+        if sid > 1:
+            killed = await kill_session(sid, self.engine.stop_timeout)
+            if killed:
+                log.warning("engine_stale_session_killed", sid=sid, pids=sorted(killed),
+                            reason="left behind by a previous daemon that did not stop cleanly")
+        self.session_file.unlink(missing_ok=True)
 
     async def shutdown(self) -> None:
         """Stop the engine and end :meth:`run` (the caller awaits the run task)."""

