@@ -55,6 +55,15 @@ MESSAGE_IDS: dict[str, str] = {
     "page_failed": "44f39e903fe747b38f45b7dbb9dc2757",
     "config_reloaded": "43350eda2eb44fea87ff141768ae76ed",
     "control_request": "dc62fc0e273c4ef2945240efab104123",
+    # Further events the daemon emits today (not named in SPEC §7, still worth filtering on).
+    "daemon_started": "cdba0b4a869f4b1a835c6d887c5fec1c",
+    "daemon_stopped": "8dd71c6216bc4a0298623c8e9b56ace0",
+    "engine_spawned": "f47cc2ced58e42638241461eab7c8859",
+    "engine_stable": "d452699136fd4e3fb01cd4026a9f9311",
+    "engine_orphans": "f627226426f74d928110119d5b7d9817",
+    "engine_gpu_memory_held": "a5da8ab6f05a439b9f83083e55dd7597",
+    "config_reload_refused": "c6169f124ade47a89d4a4f2d52dde5bb",
+    "job_crashed": "544a9b308fa04f22980b4ccd38e6f9a3",
 }
 
 #: syslog priorities (``PRIORITY=``) of structlog/stdlib level names.
