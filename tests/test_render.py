@@ -1,0 +1,373 @@
+"""Tests for chandrad.render: every corpus file, the size policy, and the process pool."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pymupdf
+import pytest
+from chandra.model.util import scale_to_fit
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from chandrad import errors
+from chandrad.render import (
+    MAX_PDF_IMAGE_BYTES,
+    RenderedPage,
+    RenderPool,
+    fit_size,
+    probe,
+    render_page,
+)
+
+MIN_SIDE = 1024
+MAX_PIXELS = 6291456
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def corpus_dir() -> Path:
+    """The shared corpus: ``../shared/corpus`` beside the repo, else ``/work/shared/corpus``."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    return beside if beside.is_dir() else Path("/work/shared/corpus")
+
+
+def manifest() -> list[dict[str, str]]:
+    with (corpus_dir() / "MANIFEST.tsv").open(encoding="utf-8") as fh:
+        return list(csv.DictReader(fh, delimiter="\t"))
+
+
+#: What each corpus file that must fail fails with (SPEC §5: refuse with a clear error).
+EXPECTED_FAILURE = {
+    "bad/broken_truncated_scotus.pdf": errors.InputError,
+    "bad/broken_encrypted-user-password_skew.pdf": errors.EncryptedInput,
+    "bad/broken_zero-length.pdf": errors.EmptyInput,
+    "bad/broken_zero-pages.pdf": errors.EmptyInput,
+    "bad/broken_not-a-pdf-text.pdf": errors.UnsupportedFormat,
+    "bad/broken_decompression-bomb.gif": errors.DecompressionBomb,
+    "bad/broken_truncated.jpg": errors.InputError,
+}
+
+ROWS = manifest()
+
+
+def _sample(page_count: int) -> list[int]:
+    if page_count <= 20:
+        return list(range(page_count))
+    return sorted({0, 1, page_count // 2, page_count - 1})
+
+
+def _check_page(page: RenderedPage, index: int) -> None:
+    assert page.index == index
+    assert page.png.startswith(PNG_SIGNATURE)
+    with Image.open(io.BytesIO(page.png)) as img:
+        assert img.size == (page.width, page.height)
+        assert img.mode == "RGB"
+    assert page.width * page.height <= MAX_PIXELS
+    assert page.width % 28 == 0 and page.height % 28 == 0
+    assert min(page.width, page.height) >= MIN_SIDE
+
+
+def _process(path: Path) -> tuple[int, list[RenderedPage]]:
+    info = probe(path, max_pages=5000)
+    indexes = _sample(info.page_count)
+    return info.page_count, [render_page(path, i, MIN_SIDE, MAX_PIXELS) for i in indexes]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["file"] for r in ROWS])
+def test_corpus_file(row: dict[str, str]) -> None:
+    """Each corpus file either renders every (sampled) page or fails with its typed InputError."""
+    path = corpus_dir() / row["file"]
+    if row["expect"] == "ok":
+        page_count, pages = _process(path)
+        assert page_count == int(row["pages"].split()[0])
+        for index, page in zip(_sample(page_count), pages, strict=True):
+            _check_page(page, index)
+        return
+    expected = EXPECTED_FAILURE.get(row["file"], errors.InputError)
+    if row["expect"] == "failed-or-ok":
+        try:
+            _process(path)
+        except errors.InputError as exc:
+            assert isinstance(exc, expected), exc
+            assert path.name in exc.message
+        return
+    assert row["expect"] == "failed"
+    with pytest.raises(expected) as caught:
+        _process(path)
+    assert path.name in caught.value.message
+    assert caught.value.code == expected.code
+
+
+def test_bad_corpus_codes_are_specific() -> None:
+    """The bad corpus files fail with their specific codes, not only the generic one."""
+    codes = {}
+    for name in EXPECTED_FAILURE:
+        try:
+            _process(corpus_dir() / name)
+        except errors.InputError as exc:
+            codes[name] = exc.code
+    assert codes["bad/broken_encrypted-user-password_skew.pdf"] == "encrypted_pdf"
+    assert codes["bad/broken_zero-length.pdf"] == "empty_input"
+    assert codes["bad/broken_not-a-pdf-text.pdf"] == "unsupported_format"
+    assert codes["bad/broken_decompression-bomb.gif"] == "decompression_bomb"
+    assert codes["bad/broken_truncated_scotus.pdf"] == "corrupt_input"
+
+
+def test_jpeg_named_pdf_is_sniffed_as_image() -> None:
+    """Content decides the kind: a JPEG with a .pdf name is an image."""
+    info = probe(corpus_dir() / "bad/broken_jpeg-named-as.pdf", max_pages=10)
+    assert (info.kind, info.format, info.page_count) == ("image", "JPEG", 1)
+
+
+def test_pdf_junk_before_header_is_still_pdf(tmp_path: Path) -> None:
+    """A PDF whose header follows some leading junk bytes is still sniffed as a PDF."""
+    src = (corpus_dir() / "good/digital_sf424-federal-form.pdf").read_bytes()
+    path = tmp_path / "junk.bin"
+    path.write_bytes(b"\r\n" * 20 + src)
+    assert probe(path, max_pages=10).kind == "pdf"
+
+
+def test_too_many_pages() -> None:
+    """A document above ocr.max_pages is refused with too_many_pages."""
+    with pytest.raises(errors.TooManyPages, match="117 pages"):
+        probe(corpus_dir() / "good/digital_de-math-lecture-notes_117p_geotopo.pdf", max_pages=100)
+
+
+def test_owner_password_only_pdf_renders() -> None:
+    """An encrypted PDF with an empty user password opens and renders."""
+    path = corpus_dir() / "bad/broken_encrypted-owner-password-only.pdf"
+    _check_page(render_page(path, 0, MIN_SIDE, MAX_PIXELS), 0)
+
+
+def test_pdf_rendered_at_chandra_dpi_directly() -> None:
+    """A letter page renders at Chandra's 192 dpi (snapped to the 28 px grid), not more."""
+    page = render_page(corpus_dir() / "good/digital_sf424-federal-form.pdf", 0, 1024, MAX_PIXELS)
+    assert abs(page.width - 612 * 192 / 72) <= 28
+    assert abs(page.height - 792 * 192 / 72) <= 28
+
+
+def test_rotated_pdf_page_is_landscape() -> None:
+    """A portrait page with /Rotate 90 renders landscape."""
+    page = render_page(
+        corpus_dir() / "good/digital_senate-expenditures-table.pdf", 0, 1024, MAX_PIXELS
+    )
+    assert page.width > page.height
+
+
+def test_lower_pixel_budget_is_respected() -> None:
+    """A downshifted pixel budget gives smaller pages that still fit it."""
+    path = corpus_dir() / "good/scan_two-column-brochure_linn.pdf"
+    page = render_page(path, 0, 512, 1_000_000)
+    assert page.width * page.height <= 1_000_000
+    assert page.width * page.height > 800_000
+
+
+def test_huge_pages_render_in_bounded_memory_and_time() -> None:
+    """The /UserUnit poster and the 35000 px JBIG2 page render in < 1 GiB RSS and < 60 s."""
+    code = (
+        "import json, resource, sys, time; from pathlib import Path;"
+        "from chandrad.render import render_page;"
+        "t = time.monotonic();"
+        "pages = [render_page(Path(p), 0, 1024, 6291456) for p in sys.argv[1:]];"
+        "print(json.dumps({'seconds': time.monotonic() - t,"
+        " 'maxrss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
+        " 'sizes': [[p.width, p.height] for p in pages]}))"
+    )
+    files = [
+        str(corpus_dir() / "bad/broken_huge-mediabox_poster.pdf"),
+        str(corpus_dir() / "bad/broken_huge-pixels-35000px_hugemono.pdf"),
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *files],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["seconds"] < 60
+    assert result["maxrss_kib"] < 1024 * 1024
+    (pw, ph), (mw, mh) = result["sizes"]
+    assert ph > pw  # the 250 x 500 in poster keeps its shape
+    assert pw * ph <= MAX_PIXELS and mw * mh <= MAX_PIXELS
+
+
+def test_pdf_embedded_image_bomb(tmp_path: Path) -> None:
+    """A PDF whose embedded image would decode to more than the cap is a decompression bomb."""
+    doc = pymupdf.open()
+    page = doc.new_page()
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), "white").save(buf, format="PNG")
+    page.insert_image(page.rect, stream=buf.getvalue())
+    xref = page.get_images()[0][0]
+    side = int((MAX_PDF_IMAGE_BYTES / 3) ** 0.5) + 100
+    doc.xref_set_key(xref, "Width", str(side))
+    doc.xref_set_key(xref, "Height", str(side))
+    path = tmp_path / "bomb.pdf"
+    doc.save(path)
+    doc.close()
+    assert probe(path, max_pages=10).page_count == 1
+    with pytest.raises(errors.DecompressionBomb, match="bomb.pdf"):
+        render_page(path, 0, MIN_SIDE, MAX_PIXELS)
+
+
+def test_exif_orientation_is_applied(tmp_path: Path) -> None:
+    """A JPEG stored landscape with EXIF orientation 6 renders portrait."""
+    img = Image.new("RGB", (1200, 800), "white")
+    img.paste((0, 0, 0), (0, 0, 100, 100))  # black square at stored top-left
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 CW to display
+    path = tmp_path / "photo.jpg"
+    img.save(path, exif=exif.tobytes(), quality=95)
+    page = render_page(path, 0, MIN_SIDE, MAX_PIXELS)
+    assert page.height > page.width
+    with Image.open(io.BytesIO(page.png)) as out:
+        assert out.getpixel((out.width - 10, 10))[0] < 60  # now at the top-right
+        assert out.getpixel((10, 10))[0] > 200
+
+
+def test_transparent_png_is_composited_on_white(tmp_path: Path) -> None:
+    """Transparent pixels become white, not the black hidden under them."""
+    path = tmp_path / "clear.png"
+    Image.new("RGBA", (1100, 1100), (0, 0, 0, 0)).save(path)
+    page = render_page(path, 0, MIN_SIDE, MAX_PIXELS)
+    with Image.open(io.BytesIO(page.png)) as out:
+        assert out.getpixel((500, 500)) == (255, 255, 255)
+
+
+def test_multipage_tiff_pages_differ_and_index_is_checked() -> None:
+    """Each frame of a multi-page TIFF is its own page; a page past the end is an InputError."""
+    path = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    pngs = {render_page(path, i, MIN_SIDE, MAX_PIXELS).png for i in range(3)}
+    assert len(pngs) == 3
+    with pytest.raises(errors.InputError, match="page 4 does not exist"):
+        render_page(path, 3, MIN_SIDE, MAX_PIXELS)
+
+
+def test_small_image_is_upscaled_to_min_side(tmp_path: Path) -> None:
+    """An image smaller than min_side_px is upscaled so its shortest side reaches it."""
+    path = tmp_path / "small.png"
+    Image.new("L", (300, 500), 255).save(path)
+    page = render_page(path, 0, MIN_SIDE, MAX_PIXELS)
+    assert min(page.width, page.height) >= MIN_SIDE
+    assert abs(page.height / page.width - 500 / 300) < 0.05
+
+
+def test_unsupported_image_format(tmp_path: Path) -> None:
+    """An image format Chandra does not take (here PCX) is unsupported_format."""
+    path = tmp_path / "scan.pcx"
+    Image.new("RGB", (50, 50)).save(path, format="PCX")
+    with pytest.raises(errors.UnsupportedFormat, match="PCX"):
+        probe(path, max_pages=10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    width=st.integers(min_value=20, max_value=3500),
+    height=st.integers(min_value=20, max_value=3500),
+    max_pixels=st.sampled_from([1_000_000, 3_000_000, MAX_PIXELS]),
+)
+def test_fit_size_is_chandras_scale_to_fit(width: int, height: int, max_pixels: int) -> None:
+    """Without a min-side upscale, fit_size picks exactly the size scale_to_fit resizes to."""
+    expected = scale_to_fit(Image.new("L", (width, height)), max_size=(max_pixels, 1)).size
+    assert fit_size(width, height, 1, max_pixels) == expected
+
+
+def _worker_pids() -> list[int]:
+    """Pool workers: spawned children (not multiprocessing's resource tracker)."""
+    return [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if any("spawn_main" in part for part in p.cmdline())
+    ]
+
+
+def test_pool_renders_like_direct_calls_and_keeps_error_types() -> None:
+    """Pages rendered in the pool equal direct renders; typed errors cross the process boundary."""
+    path = corpus_dir() / "good/scan_zh-customs-penalty-decision.pdf"
+
+    async def main() -> tuple[list[RenderedPage], BaseException]:
+        pool = RenderPool(workers=2)
+        try:
+            info = await pool.probe(path, 100)
+            pages = await asyncio.gather(
+                *(pool.render(path, i, MIN_SIDE, MAX_PIXELS) for i in range(info.page_count))
+            )
+            try:
+                await pool.probe(corpus_dir() / "bad/broken_encrypted-user-password_skew.pdf", 10)
+            except errors.InputError as exc:
+                return list(pages), exc
+            raise AssertionError("encrypted PDF was accepted")
+        finally:
+            pool.close()
+
+    pages, error = asyncio.run(main())
+    assert [p.png for p in pages] == [
+        render_page(path, i, MIN_SIDE, MAX_PIXELS).png for i in range(3)
+    ]
+    assert isinstance(error, errors.EncryptedInput) and error.code == "encrypted_pdf"
+
+
+def test_pool_survives_a_killed_worker() -> None:
+    """A worker killed mid-render fails that page with render_crashed; the next render works."""
+    slow = corpus_dir() / "bad/broken_huge-pixels-35000px_hugemono.pdf"
+    quick = corpus_dir() / "good/digital_sf424-federal-form.pdf"
+
+    async def main() -> tuple[BaseException | None, RenderedPage]:
+        pool = RenderPool(workers=1)
+        try:
+            await pool.probe(quick, 10)  # start the worker
+            task = asyncio.ensure_future(pool.render(slow, 0, MIN_SIDE, MAX_PIXELS))
+            await asyncio.sleep(0.5)
+            for pid in _worker_pids():
+                psutil.Process(pid).kill()
+            failure: BaseException | None = None
+            try:
+                await task
+            except errors.RenderCrashed as exc:
+                failure = exc
+            return failure, await pool.render(quick, 0, MIN_SIDE, MAX_PIXELS)
+        finally:
+            pool.close()
+
+    failure, page = asyncio.run(main())
+    assert isinstance(failure, errors.RenderCrashed) and failure.code == "render_crashed"
+    _check_page(page, 0)
+
+
+def test_pool_times_out_a_slow_page_and_recovers() -> None:
+    """A page slower than the timeout fails with render_timeout and its worker is stopped."""
+    slow = corpus_dir() / "bad/broken_huge-pixels-35000px_hugemono.pdf"
+    quick = corpus_dir() / "good/digital_sf424-federal-form.pdf"
+
+    async def main() -> tuple[BaseException | None, list[int], RenderedPage]:
+        pool = RenderPool(workers=1, timeout=60)
+        try:
+            await pool.probe(quick, 10)  # start the worker: spawning takes a while
+            pool.timeout = 0.3
+            failure: BaseException | None = None
+            try:
+                await pool.render(slow, 0, MIN_SIDE, MAX_PIXELS)
+            except errors.RenderTimeout as exc:
+                failure = exc
+            await asyncio.sleep(0.5)
+            left = _worker_pids()
+            pool.timeout = 60
+            return failure, left, await pool.render(quick, 0, MIN_SIDE, MAX_PIXELS)
+        finally:
+            pool.close()
+
+    failure, left, page = asyncio.run(main())
+    assert isinstance(failure, errors.RenderTimeout) and "hugemono" in failure.message
+    assert not [
+        pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ]
+    _check_page(page, 0)
