@@ -1,0 +1,751 @@
+"""The SPEC §4.2 failure classifier: vLLM output lines + exit status → :class:`Diagnosis`.
+
+Pure: no I/O, no clock, no globals that change. Used by the engine supervisor
+(incrementally, through :class:`LineScanner`) and by ``chandractl diagnose``.
+
+How it decides, in order of strength:
+
+1. Each line is cleaned (ANSI colours, HTML colour tags, timestamps, the
+   ``(EngineCore_DP0 pid=..)`` / ``(VllmWorker rank=0 pid=..)`` process tags,
+   ``LEVEL date [file.py:N]`` headers, quote bars) and its log level noted. A line
+   logged at INFO, DEBUG or WARNING never proves a failure: vLLM prints plenty of
+   benign lines that mention memory, KV cache and even OOM hints.
+2. vLLM's own failure messages (templates in ``vllm/v1/core/kv_cache_utils.py``,
+   ``vllm/v1/worker/utils.py``, ``gpu_worker.py``, ``gpu_model_runner.py``) name
+   their class directly: KV cache insufficient, free memory below the requested
+   utilisation, memory profiling error, OOM while warming up / loading.
+3. A device OOM (PyTorch's caching-allocator message, a raw CUDA/HIP "out of
+   memory" error, cuBLAS/NCCL allocation failures) is ``fragmentation`` when the
+   allocator's own figures say so (reserved-but-unallocated U ≥ requested R and
+   U ≥ 256 MiB, or U ≥ 1 GiB), otherwise ``cuda_oom_runtime`` when the engine was
+   ready or the log shows it was serving, otherwise ``cuda_oom_load``.
+   An OOM reported *through* NCCL ("Cuda failure 'out of memory'") is a device
+   allocation failure, not a communication fault: restarting with the same memory
+   settings would fail the same way, so it joins the OOM classes (subclass
+   ``nccl_oom``) and gets the same remedies.
+4. Host memory exhaustion (kernel OOM killer, "Killed", SIGKILL exit,
+   ``DefaultCPUAllocator`` / ``MemoryError`` / ``std::bad_alloc``) is ``host_oom``.
+   A bare SIGKILL exit counts only when nothing else explains the death.
+5. Other fatal errors (NCCL, illegal memory access, ECC/Xid, driver mismatch,
+   address in use, model not found, unsupported architecture, no device, any other
+   final exception) are ``other_fatal`` with a finer ``subclass``; a non-zero exit
+   with no evidence at all is ``other_fatal``/``exited``.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FailureClass(StrEnum):
+    """SPEC §4.2 failure classes."""
+
+    CUDA_OOM_LOAD = "cuda_oom_load"
+    KV_CACHE_INSUFFICIENT = "kv_cache_insufficient"
+    FRAGMENTATION = "fragmentation"
+    GPU_MEMORY_UTILIZATION_TOO_HIGH = "gpu_memory_utilization_too_high"
+    CUDA_OOM_RUNTIME = "cuda_oom_runtime"
+    HOST_OOM = "host_oom"
+    OTHER_FATAL = "other_fatal"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The verdict: class, the one line that proves it, the figures it gives, the remedy."""
+
+    cls: FailureClass
+    evidence: str = ""
+    numbers: dict[str, float] = field(default_factory=dict)
+    action: str = ""
+    restartable: bool = True
+    subclass: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        """The ``chandractl diagnose --json`` shape (plus restartable/subclass)."""
+        return {
+            "v": 1,
+            "class": self.cls.value,
+            "evidence": self.evidence,
+            "action": self.action,
+            "numbers": dict(self.numbers),
+            "restartable": self.restartable,
+            "subclass": self.subclass,
+        }
+
+
+# --------------------------------------------------------------------------- cleaning
+
+_ANSI = re.compile(r"(?:\x1b|\^\[)\[[0-9;?]*[A-Za-z]|(?<![\w\]])\[[0-9]{1,3}(?:;[0-9]{1,3})*m")
+_HTML_TAG = re.compile(r"</?(?:font|b|i|u|span|strong|em|code|pre)\b[^>]*>", re.IGNORECASE)
+_TRAILER = re.compile(r"(?:\s*\[repeated \d+x across cluster\])+|\^M|\r")
+_LEVELS = {
+    "DEBUG": "DEBUG",
+    "INFO": "INFO",
+    "WARNING": "WARNING",
+    "WARN": "WARNING",
+    "ERROR": "ERROR",
+    "CRITICAL": "ERROR",
+    "FATAL": "ERROR",
+    "W": "WARNING",
+    "I": "INFO",
+    "E": "ERROR",
+    "F": "ERROR",
+}
+# Leading decorations, stripped repeatedly. Group "lvl" records a log level.
+_PREFIX = re.compile(
+    r"""^(?:
+        \s+
+      | [▎│┃|>*]+
+      | \[\d{4}-\d\d-\d\d[T ][\d:.,]+Z?\]
+      | \d{4}-\d\d-\d\d[T ][\d:.,]+(?:Z|[+-]\d\d:?\d\d)?
+      | \[(?P<lvl1>Error|Warning|Info|Debug)\]
+      | \((?:[A-Za-z_][\w.:-]*)(?:[\s,]+(?:pid|rank|ip|tid|node)=[\w.:-]+)+\)
+      | \((?:Process|pid=\d+)\)
+      | \[rank\d+\]:
+      | \[(?P<lvl2>[WEIF])\s?[^\]]*?\]
+      | (?P<lvl3>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b:?
+        (?:\s+\d\d-\d\d\s+[\d:.]+)?(?:\s+\d+(?=\s))?(?:\s+\[?[\w./<>-]+\.py:\d+\])?
+      | \[?[\w./<>-]+\.py:\d+\]
+    )""",
+    re.VERBOSE,
+)
+
+
+@dataclass(frozen=True)
+class _Line:
+    raw: str  # without ANSI/CR, stripped: what we quote as evidence
+    text: str  # without prefixes
+    level: str  # "", DEBUG, INFO, WARNING, ERROR
+
+    @property
+    def benign_level(self) -> bool:
+        return self.level in ("DEBUG", "INFO", "WARNING")
+
+
+def _clean(line: str) -> _Line:
+    raw = _TRAILER.sub("", _ANSI.sub("", line))
+    raw = html.unescape(_HTML_TAG.sub("", raw)).strip()
+    text = raw
+    level = ""
+    for _ in range(12):
+        m = _PREFIX.match(text)
+        if not m or m.end() == 0:
+            break
+        lvl = m.group("lvl1") or m.group("lvl2") or m.group("lvl3")
+        if lvl and not level:
+            level = _LEVELS.get(lvl.upper(), _LEVELS.get(lvl, ""))
+        text = text[m.end() :]
+    return _Line(raw=raw, text=text.strip(), level=level)
+
+
+# --------------------------------------------------------------------------- numbers
+
+_SIZE = r"(\d[\d,]*(?:\.\d+)?|\.\d+)\s*(bytes|B|KiB|KB|kB|MiB|MB|GiB|GB|TiB|TB)\b"
+_UNIT_GIB = {
+    "bytes": 1 / 2**30,
+    "b": 1 / 2**30,
+    "kib": 1 / 2**20,
+    "kb": 1 / 2**20,
+    "mib": 1 / 2**10,
+    "mb": 1 / 2**10,
+    "gib": 1.0,
+    "gb": 1.0,  # vLLM and PyTorch print "GB" for 2**30 bytes in older releases
+    "tib": 2**10,
+    "tb": 2**10,
+}
+
+
+def _gib(value: str, unit: str) -> float:
+    return round(float(value.replace(",", "")) * _UNIT_GIB[unit.lower()], 6)
+
+
+def _size_after(pattern: str, text: str) -> float | None:
+    m = re.search(pattern + r"\s*" + _SIZE, text, re.IGNORECASE)
+    return _gib(m.group(1), m.group(2)) if m else None
+
+
+def _size_before(pattern: str, text: str) -> float | None:
+    m = re.search(_SIZE + r"\s*" + pattern, text, re.IGNORECASE)
+    return _gib(m.group(1), m.group(2)) if m else None
+
+
+def _int_after(pattern: str, text: str) -> float | None:
+    m = re.search(pattern + r"\s*\(?\s*(\d[\d,]*)", text, re.IGNORECASE)
+    return float(m.group(1).replace(",", "")) if m else None
+
+
+def _put(numbers: dict[str, float], key: str, value: float | None) -> None:
+    if value is not None and key not in numbers:
+        numbers[key] = value
+
+
+def _oom_numbers(text: str) -> dict[str, float]:
+    """Figures of a PyTorch caching-allocator OOM message (new and pre-2.1 formats)."""
+    n: dict[str, float] = {}
+    _put(n, "requested_gib", _size_after(r"(?:Tried|trying) to allocate", text))
+    _put(n, "total_gib", _size_after(r"total capacity of", text))
+    _put(n, "free_gib", _size_after(r"total capacity of [\d.,]+\s*\w+ of which", text))
+    _put(n, "in_use_gib", _size_after(r"(?:this process|Process \d+) has", text))
+    _put(n, "allocated_gib", _size_after(r"Of the allocated memory", text))
+    _put(n, "private_pools_gib", _size_after(r"allocated by PyTorch, with", text))
+    _put(n, "allowed_gib", _size_before(r"allowed;", text))
+    unallocated = _size_before(r"is reserved by PyTorch but unallocated", text)
+    _put(n, "reserved_unallocated_gib", unallocated)
+    # Pre-2.1: "(GPU 0; 15.78 GiB total capacity; 14.56 GiB already allocated;
+    #           3.44 MiB free; 14.73 GiB reserved in total by PyTorch)"
+    _put(n, "total_gib", _size_before(r"total capacity", text))
+    _put(n, "allocated_gib", _size_before(r"already allocated", text))
+    _put(n, "free_gib", _size_before(r"free\s*;", text))
+    reserved = _size_before(r"reserved in total by PyTorch", text)
+    if reserved is not None:
+        n["reserved_gib"] = reserved
+        if "allocated_gib" in n and "reserved_unallocated_gib" not in n:
+            n["reserved_unallocated_gib"] = round(max(reserved - n["allocated_gib"], 0.0), 6)
+    return n
+
+
+def _is_fragmentation(n: dict[str, float]) -> bool:
+    u = n.get("reserved_unallocated_gib")
+    if u is None:
+        return False
+    r = n.get("requested_gib")
+    return u >= 1.0 or (r is not None and u >= r and u >= 0.25)
+
+
+# --------------------------------------------------------------------------- evidence
+
+_I = re.IGNORECASE
+
+# vLLM's own failure messages.
+_KV_NO_MEMORY = re.compile(r"No available memory for the cache blocks", _I)
+_KV_MAX_SEQ = re.compile(
+    r"To serve at least one request with the model'?s max seq len"
+    r"|max seq len \(\d[\d,]*\) is larger than the maximum number of tokens that can be stored"
+    r"|larger than the maximum number of tokens that can be stored in KV cache"
+    r"|estimated maximum model length is \d",
+    _I,
+)
+_GMU = re.compile(
+    r"Free memory on device.{0,80}?on startup\s+is less than"
+    r"|Error in memory profiling"
+    r"|less than desired GPU memory utilization",
+    _I,
+)
+_LOAD_OOM_VLLM = re.compile(
+    r"Failed to load model - not enough GPU memory"
+    r"|out of memory occurred when (?:warming up|profiling|capturing)"
+    r"|not enough (?:GPU|device) memory to load",
+    _I,
+)
+_DEVICE_OOM = re.compile(
+    r"(?:CUDA|HIP|XPU|NPU|MPS|GPU|device)\s+(?:error:?\s*)?out of memory"
+    r"|OutOfMemoryError"
+    r"|cudaErrorMemoryAllocation"
+    r"|hipErrorOutOfMemory"
+    r"|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|HIPBLAS_STATUS_ALLOC_FAILED"
+    r"|Cuda failure (?:\d+ )?'?out of memory|Failed to CUDA (?:c|m)alloc"
+    r"|\bOOM\b.*(?:Tried|trying) to allocate"
+    r"|Tried to allocate .*(?:total capacity|reserved by PyTorch)",
+    _I,
+)
+_NCCL_CONTEXT = re.compile(r"NCCL|Cuda failure", _I)
+# Ray's OutOfMemoryError is about the *host* running out of RAM.
+_RAY_HOST_OOM = re.compile(
+    r"ray\.exceptions\.OutOfMemoryError|node (?:is )?running low on memory"
+    r"|Memory on the node .* was .* when",
+    _I,
+)
+_HOST_OOM = re.compile(
+    r"Out of memory: Kill(?:ed)? process"
+    r"|oom[-_]kill|oom_reaper|Memory cgroup out of memory"
+    r"|DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
+    r"|\bstd::bad_alloc\b"
+    r"|^MemoryError\b"
+    r"|Cannot allocate memory"
+    r"|killed by the (?:kernel )?OOM killer",
+    _I,
+)
+_KILLED = re.compile(
+    r"^Killed(?:\s+.*)?$"
+    r"|(?:exit ?code|exitcode|exit status|returncode)[=: ]+(?:-9|137)\b"
+    r"|(?:killed by |received |terminated by )signal (?:9|SIGKILL)\b"
+    r"|\bSIGKILL\b",
+    _I,
+)
+
+# other_fatal: (pattern, subclass, restartable)
+_OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
+    (
+        re.compile(
+            r"Expandable segments are not compatible"
+            r"|expandable_segments.*not (?:compatible|supported)",
+            _I,
+        ),
+        "expandable_segments_incompatible",
+        True,
+    ),
+    (
+        re.compile(
+            r"illegal memory access|illegal instruction|misaligned address"
+            r"|device-side assert(?:ion)? triggered|unspecified launch failure",
+            _I,
+        ),
+        "illegal_memory_access",
+        True,
+    ),
+    (
+        re.compile(
+            r"uncorrectable ECC|ECC error|\bXid\b|GPU is lost|fallen off the bus"
+            r"|GPU (?:has )?fallen|NVML_ERROR_GPU_IS_LOST",
+            _I,
+        ),
+        "ecc_xid",
+        True,
+    ),
+    (
+        re.compile(
+            r"driver version is insufficient|no kernel image is available"
+            r"|NVIDIA driver on your system is too old|Driver/library version mismatch"
+            r"|forward compatibility was attempted|unsupported PTX version"
+            r"|unsupported display driver|CUDA driver version .*insufficient"
+            r"|compiled with .*CUDA .* but .*driver",
+            _I,
+        ),
+        "driver_mismatch",
+        False,
+    ),
+    (
+        re.compile(
+            r"No CUDA GPUs are available|no CUDA-capable device|Found no NVIDIA driver"
+            r"|Failed to infer device type|CUDA driver initialization failed"
+            r"|Device string must not be empty"
+            r"|No (?:GPU|accelerator|HIP GPUs?) (?:found|available)",
+            _I,
+        ),
+        "no_device",
+        False,
+    ),
+    (
+        re.compile(
+            r"Repository Not Found|is not a local folder and is not a valid model identifier"
+            r"|does not appear to have (?:a )?files? named|Invalid repository ID"
+            r"|Cannot access gated repo|GatedRepoError|RepositoryNotFoundError"
+            r"|(?:401|403|404) Client Error.*(?:huggingface|hf\.co)"
+            r"|No such file or directory: .*config\.json|Can't load the configuration of"
+            r"|model .* (?:does not exist|not found)",
+            _I,
+        ),
+        "model_not_found",
+        False,
+    ),
+    (
+        re.compile(
+            r"Model architectures? .* (?:are|is) not supported"
+            r"|does not recognize this architecture|Unrecognized model in"
+            r"|Error in inspecting model architecture|is not supported for now"
+            r"|model type .* but Transformers does not recognize",
+            _I,
+        ),
+        "unsupported_architecture",
+        False,
+    ),
+    (
+        re.compile(
+            r"weights? (?:take|need|require)s? .* (?:exceed|larger than|more than) .*"
+            r"(?:GPU|device|total)",
+            _I,
+        ),
+        "weights_too_large",
+        False,
+    ),
+    (
+        re.compile(r"Address already in use|\[Errno 98\]|EADDRINUSE", _I),
+        "address_in_use",
+        True,
+    ),
+    (
+        re.compile(
+            r"NCCL error|\bnccl(?:Internal|System|UnhandledCuda|InvalidUsage|Remote)Error"
+            r"|Watchdog caught collective operation timeout|NCCL communicator was aborted"
+            r"|NCCL WARN|ProcessGroupNCCL.*(?:timeout|Timeout\(ms\).*ran for)",
+            _I,
+        ),
+        "nccl",
+        True,
+    ),
+    (
+        re.compile(r"\b(?:CUDA|HIP|cuda|hip) ?(?:error|Error)\b:", 0),
+        "cuda_error",
+        True,
+    ),
+)
+
+# A Python exception at the start of a cleaned line: "ValueError: ...", "torch.X: ...".
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit)\b:?")
+_BENIGN_EXCEPTIONS = re.compile(r"^(?:asyncio\.)?CancelledError|^KeyboardInterrupt|^SystemExit")
+
+_SHUTDOWN_SIGNAL = re.compile(
+    r"received signal=?\s*SIG(?:TERM|INT)|(?:SIGTERM|SIGINT) received|Received (?:SIGTERM|SIGINT)"
+    r"|signal (?:SIGTERM|SIGINT|15|2) received",
+    _I,
+)
+
+# Phase markers for a device OOM that no vLLM message places.
+_STARTUP_FAILED = re.compile(
+    r"EngineCore failed to start|Engine core initialization failed"
+    r"|Engine process failed to start|Failed to load model"
+    r"|Error (?:while|when) (?:loading|initializing)",
+    _I,
+)
+_LOAD_FRAMES = re.compile(
+    r"\b(?:load_model|load_weights|_load_weights|profile_run|_dummy_run|_dummy_sampler_run"
+    r"|_dummy_pooler_run|determine_available_memory|determine_num_available_blocks"
+    r"|capture_model|_capture_cudagraphs|compile_or_warm_up_model|initialize_kv_cache"
+    r"|_initialize_kv_caches|init_device|initialize_from_config|init_worker"
+    r"|_init_executor|load_model_weights|profile_cudagraph_memory|make_layers"
+    r"|initialize_model|_initialize_model|get_model|warming_up_model)\b"
+    r"|Loading model weights|Loading safetensors|Memory profiling|Capturing CUDA graph",
+    _I,
+)
+_RUNTIME_FRAMES = re.compile(
+    r"\b(?:execute_model|execute_model_async|engine_step|run_engine_loop|step_fn|run_busy_loop"
+    r"|_process_engine_step|start_worker_execution_loop|wake_up|output_handler"
+    r"|_run_engine|step_async|sample_tokens)\b|serving_\w+\.py|starlette/|fastapi/"
+    r"|Engine loop is not running"
+    r"|Error in model execution|EngineDeadError|Engine loop has died"
+    r"|Avg prompt throughput|Running: \d+ reqs|Application startup complete"
+    r"|Uvicorn running on|Starting vLLM API server|\"(?:POST|GET) /v1/\S* HTTP/[\d.]+\" 500"
+    r"|500 Internal Server Error",
+    _I,
+)
+
+_ACTIONS: dict[FailureClass, str] = {
+    FailureClass.CUDA_OOM_LOAD: (
+        "restart with enforce_eager, then lower max_num_seqs/max_num_batched_tokens, "
+        "then cpu_offload_gb"
+    ),
+    FailureClass.KV_CACHE_INSUFFICIENT: (
+        "restart with max_model_len fitted to the estimated maximum if it still covers a page, "
+        "otherwise give the KV cache more memory"
+    ),
+    FailureClass.FRAGMENTATION: (
+        "restart with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
+        "if it recurs, treat as a runtime OOM"
+    ),
+    FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH: (
+        "restart with gpu_memory_utilization lowered to the free memory minus a margin, "
+        "or free the GPU memory other processes hold"
+    ),
+    FailureClass.CUDA_OOM_RUNTIME: (
+        "restart with max_num_seqs and max_num_batched_tokens halved and a lower pixel budget"
+    ),
+    FailureClass.HOST_OOM: (
+        "host RAM ran out: restart with a smaller mm_processor_cache_gb and fewer concurrent "
+        "renders, or give the machine more memory"
+    ),
+    FailureClass.OTHER_FATAL: "restart with backoff without changing memory settings",
+    FailureClass.NONE: "nothing to do",
+}
+_FATAL_ACTIONS: dict[str, str] = {
+    "model_not_found": (
+        "fix engine.model (id or path) or the Hugging Face access token, then reload"
+    ),
+    "unsupported_architecture": (
+        "the installed vLLM cannot run this model: install a vLLM that supports it"
+    ),
+    "no_device": "no usable GPU is visible: check the driver, device permissions and engine.gpus",
+    "driver_mismatch": "the NVIDIA driver does not match the CUDA/PyTorch build: fix the install",
+    "weights_too_large": (
+        "the weights do not fit this GPU: use more GPUs, a quantized model or cpu_offload_gb"
+    ),
+    "expandable_segments_incompatible": (
+        "restart without PYTORCH_CUDA_ALLOC_CONF=expandable_segments (vLLM's memory pool "
+        "cannot use it)"
+    ),
+    "address_in_use": "another process holds the engine port: free it or change engine.port",
+    "ecc_xid": "the GPU reported a hardware fault: check dmesg/nvidia-smi; restart with backoff",
+}
+
+
+@dataclass(frozen=True)
+class _Hit:
+    index: int
+    cls: FailureClass
+    subclass: str = ""
+    restartable: bool = True
+
+
+_CODE_LINE = re.compile(r"^(?:raise|File \"|return|assert|if|elif|except|[\w.]+ = |\^+$)")
+
+
+def _rank(line: _Line) -> int:
+    """Prefer the exception line itself over source code quoted in a traceback."""
+    if _EXCEPTION.match(line.text):
+        return 0
+    return 2 if _CODE_LINE.match(line.text) else 1
+
+
+def _find(lines: Sequence[_Line], pattern: re.Pattern[str], *, any_level: bool = False) -> int:
+    """Index of the best line matching ``pattern`` (an exception line first), or -1."""
+    best, best_rank = -1, 3
+    for i, ln in enumerate(lines):
+        if (any_level or not ln.benign_level) and pattern.search(ln.text):
+            r = _rank(ln)
+            if r < best_rank:
+                best, best_rank = i, r
+                if r == 0:
+                    break
+    return best
+
+
+def _window(lines: Sequence[_Line], i: int, extra: int = 3) -> str:
+    return " ".join(ln.text for ln in lines[i : i + 1 + extra])
+
+
+def _device_oom_hits(lines: Sequence[_Line]) -> list[int]:
+    out = []
+    for i, ln in enumerate(lines):
+        if ln.benign_level or _RAY_HOST_OOM.search(ln.text):
+            continue
+        if _DEVICE_OOM.search(ln.text):
+            out.append(i)
+    return out
+
+
+def _phase_is_runtime(lines: Sequence[_Line], oom_index: int, was_ready: bool) -> bool:
+    if was_ready:
+        return True
+    if any(_STARTUP_FAILED.search(ln.raw) for ln in lines):
+        return False
+    if any(_LOAD_FRAMES.search(ln.raw) for ln in lines):
+        return False
+    return any(_RUNTIME_FRAMES.search(ln.raw) for ln in lines)
+
+
+def _kv_numbers(text: str) -> dict[str, float]:
+    n: dict[str, float] = {}
+    _put(n, "max_model_len", _int_after(r"max seq len", text))
+    _put(n, "needed_gib", _size_before(r"KV\s*cach", text))
+    _put(n, "available_gib", _size_after(r"available KV cache memory\s*\(", text))
+    _put(n, "estimated_max_model_len", _int_after(r"estimated maximum model length is", text))
+    _put(n, "kv_cache_tokens", _int_after(r"can be stored in KV cache", text))
+    return n
+
+
+def _gmu_numbers(text: str) -> dict[str, float]:
+    n: dict[str, float] = {}
+    m = re.search(
+        r"Free memory on device.*?\(\s*([\d.]+)\s*/\s*([\d.]+)\s*(GiB|GB|MiB|MB)\s*\)", text, _I
+    )
+    if m:
+        n["free_gib"] = _gib(m.group(1), m.group(3))
+        n["total_gib"] = _gib(m.group(2), m.group(3))
+    m = re.search(
+        r"(?:utilization|excluding external process's weights)\s*\(\s*([\d.]+)\s*,\s*" + _SIZE,
+        text,
+        _I,
+    )
+    if m:
+        n["gpu_memory_utilization"] = float(m.group(1))
+        n["requested_gib"] = _gib(m.group(2), m.group(3))
+    _put(n, "initial_free_gib", _size_after(r"Initial free memory", text))
+    _put(n, "current_free_gib", _size_after(r"current free memory", text))
+    return n
+
+
+def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) -> Diagnosis:
+    # 1. vLLM's own memory messages name their class.
+    i = _find(lines, _KV_NO_MEMORY)
+    if i < 0:
+        i = _find(lines, _KV_MAX_SEQ)
+    if i >= 0:
+        text = _window(lines, i)
+        return _make(FailureClass.KV_CACHE_INSUFFICIENT, lines[i], _kv_numbers(text))
+
+    i = _find(lines, _GMU)
+    if i >= 0:
+        return _make(
+            FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH, lines[i], _gmu_numbers(_window(lines, i))
+        )
+
+    # 2. Device OOM: fragmentation, runtime or load.
+    ooms = _device_oom_hits(lines)
+    vllm_load = _find(lines, _LOAD_OOM_VLLM)
+    if ooms or vllm_load >= 0:
+        per_msg = [_oom_numbers(_window(lines, j, extra=1)) for j in ooms]
+        for j, n in zip(ooms, per_msg, strict=True):
+            if _is_fragmentation(n):
+                return _make(FailureClass.FRAGMENTATION, lines[j], n)
+        # Prefer the OOM line that carries the allocator's figures as evidence.
+        best = next((j for j, n in zip(ooms, per_msg, strict=True) if n), None)
+        numbers = _oom_numbers(_window(lines, best, extra=1)) if best is not None else {}
+        nccl = any(
+            _NCCL_CONTEXT.search(ln.text) for j in ooms for ln in lines[max(j - 3, 0) : j + 1]
+        )
+        sub = "nccl_oom" if nccl else ""
+        if vllm_load >= 0 and not was_ready:
+            if not numbers:
+                numbers = _oom_numbers(_window(lines, vllm_load, extra=1))
+            ev = lines[vllm_load]
+            sub = "weights_load" if "load model" in ev.text.lower() else "warmup"
+            return _make(FailureClass.CUDA_OOM_LOAD, ev, numbers, subclass=sub)
+        first = best if best is not None else ooms[0]
+        runtime = _phase_is_runtime(lines, first, was_ready)
+        if not runtime and _request_exceeds_gpu(numbers):
+            runtime = True
+            sub = sub or "request_exceeds_gpu"
+        cls = FailureClass.CUDA_OOM_RUNTIME if runtime else FailureClass.CUDA_OOM_LOAD
+        return _make(cls, lines[first], numbers, subclass=sub)
+
+    # 3. Host memory.
+    for pattern in (_RAY_HOST_OOM, _HOST_OOM):
+        i = _find(lines, pattern, any_level=True)
+        if i >= 0:
+            return _make(FailureClass.HOST_OOM, lines[i], {})
+
+    # 4. Other fatal errors with a known cause.
+    for pattern, sub, restartable in _OTHER:
+        i = _find(lines, pattern)
+        if i >= 0:
+            return _make(
+                FailureClass.OTHER_FATAL, lines[i], {}, subclass=sub, restartable=restartable
+            )
+
+    # 5. Killed with nothing else to say: the kernel's OOM killer is the usual sender.
+    i = _find(lines, _KILLED, any_level=True)
+    if i >= 0 or exit_code in (-9, 137):
+        killed = lines[i] if i >= 0 else None
+        return _make(FailureClass.HOST_OOM, killed, {}, subclass="sigkill")
+
+    # 6. Any other final exception, or a non-zero exit. Exceptions after a requested
+    #    shutdown (SIGTERM/SIGINT) are its consequences (EngineDeadError), not a failure.
+    stop = _find(lines, _SHUTDOWN_SIGNAL, any_level=True)
+    last_exc = -1
+    for k, ln in enumerate(lines[: stop if stop >= 0 else None]):
+        if (
+            not ln.benign_level
+            and _EXCEPTION.match(ln.text)
+            and not _BENIGN_EXCEPTIONS.match(ln.text)
+        ):
+            last_exc = k
+    if last_exc >= 0:
+        return _make(FailureClass.OTHER_FATAL, lines[last_exc], {}, subclass="exception")
+    if exit_code not in (None, 0):
+        last_err = next((ln for ln in reversed(lines) if ln.level == "ERROR" and ln.text), None)
+        return _make(FailureClass.OTHER_FATAL, last_err, {}, subclass="exited")
+    return Diagnosis(cls=FailureClass.NONE, action=_ACTIONS[FailureClass.NONE])
+
+
+def _request_exceeds_gpu(n: dict[str, float]) -> bool:
+    """One allocation larger than the whole GPU, made once something was loaded.
+
+    Weights load tensor by tensor; an allocation bigger than the GPU on top of
+    allocated memory is sized by the input (a request, or the profile run's
+    maximal batch), and the runtime remedy (smaller batches) is the one that helps.
+    """
+    r, total = n.get("requested_gib"), n.get("total_gib")
+    loaded = n.get("allocated_gib", 0.0) > 0
+    return r is not None and total is not None and r > total and loaded
+
+
+def _make(
+    cls: FailureClass,
+    line: _Line | None,
+    numbers: dict[str, float],
+    *,
+    subclass: str = "",
+    restartable: bool = True,
+) -> Diagnosis:
+    action = (
+        _FATAL_ACTIONS.get(subclass, _ACTIONS[cls])
+        if cls is FailureClass.OTHER_FATAL
+        else (_ACTIONS[cls])
+    )
+    return Diagnosis(
+        cls=cls,
+        evidence=line.raw if line is not None else "",
+        numbers=numbers,
+        action=action,
+        restartable=restartable,
+        subclass=subclass,
+    )
+
+
+def _split(lines: Sequence[str] | str) -> list[str]:
+    if isinstance(lines, str):
+        return lines.splitlines()
+    out: list[str] = []
+    for chunk in lines:
+        out.extend(chunk.splitlines() or [""])
+    return out
+
+
+def classify(
+    lines: Sequence[str] | str, *, exit_code: int | None = None, was_ready: bool = False
+) -> Diagnosis:
+    """Classify engine output (a list of lines or one text) plus the exit status."""
+    cleaned = [_clean(s) for s in _split(lines)]
+    return _diagnose(cleaned, exit_code, was_ready)
+
+
+# --------------------------------------------------------------------------- incremental
+
+# Cheap test on the raw line: could it carry failure evidence at all?
+_TRIGGER = re.compile(
+    "|".join(
+        p.pattern
+        for p in (
+            _KV_NO_MEMORY,
+            _KV_MAX_SEQ,
+            _GMU,
+            _LOAD_OOM_VLLM,
+            _DEVICE_OOM,
+            _RAY_HOST_OOM,
+            _HOST_OOM,
+            *(o[0] for o in _OTHER),
+        )
+    ),
+    _I,
+)
+
+
+class LineScanner:
+    """Incremental classifier for a running engine: feed lines, get a verdict early."""
+
+    def __init__(self, max_lines: int = 400) -> None:
+        self._tail: deque[_Line] = deque(maxlen=max_lines)
+        self._ready = False
+        self._last: tuple[FailureClass, str, str] | None = None
+
+    def mark_ready(self) -> None:
+        """The engine reached ``ready``: later OOMs are runtime OOMs."""
+        self._ready = True
+
+    def feed(self, line: str) -> Diagnosis | None:
+        """Add one line; return a Diagnosis when this line proves a (new) failure class."""
+        new = [_clean(s) for s in (line.splitlines() or [""])]
+        self._tail.extend(new)
+        if not any(not ln.benign_level and _TRIGGER.search(ln.text) for ln in new):
+            return None
+        d = _diagnose(list(self._tail), None, self._ready)
+        if d.cls is FailureClass.NONE:
+            return None
+        key = (d.cls, d.subclass, d.evidence)
+        if self._last is not None and self._last[:2] == key[:2]:
+            return None
+        self._last = key
+        return d
+
+    def finish(self, exit_code: int | None, was_ready: bool) -> Diagnosis:
+        """The verdict once the engine has exited."""
+        return _diagnose(list(self._tail), exit_code, was_ready or self._ready)
+
+    def lines(self) -> Iterable[str]:
+        """The bounded tail, as quoted evidence lines."""
+        return (ln.raw for ln in self._tail)
