@@ -567,13 +567,18 @@ def _cross_checks(
         root = w.input.resolve()
         for name in ("output", "done", "failed"):
             target = getattr(w, name).resolve()
-            if target == root or root in target.parents:
-                if w.recursive or target == root:
-                    key = f"watch[{i}].{name}"
-                    problems.append(ConfigProblem(
-                        key, f"{target} is inside the watched input {root}; its files would be "
-                        "taken as new input. Put it beside the input folder", file,
-                        loc.line(key), "config_range"))
+            # A subfolder of a non-recursive watch is never scanned, so only == matters there.
+            if target == root or (w.recursive and root in target.parents):
+                key = f"watch[{i}].{name}"
+                problems.append(ConfigProblem(
+                    key, f"{target} is inside the watched input {root}; its files would be "
+                    "taken as new input. Put it beside the input folder", file,
+                    loc.line(key), "config_range"))
+
+
+def key_line(text: str, dotted: str) -> int | None:
+    """The line of ``dotted`` (or of its nearest enclosing table) in TOML ``text``."""
+    return _Locator(text).line(dotted)
 
 
 def engine_settings_changed(old: Config, new: Config) -> bool:

@@ -1,0 +1,187 @@
+"""The ``chandrad`` command line: ``run``, ``check-config`` and the hidden ``check-flags``.
+
+Owns argument parsing and is the ONE place that turns exceptions into
+:class:`~chandrad.errors.ExitCode` values (SPEC §2): ``ChandradError.exit_code``,
+``KeyboardInterrupt`` → 0, usage errors → 2, anything else → 70 with the traceback
+logged once. ``check-config`` is the only code path that imports vLLM in the
+daemon's own interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from chandrad import __version__, config, errors
+from chandrad.engine import command
+from chandrad.engine.profile import MemoryProfile, initial_profile
+
+_log = logging.getLogger("chandrad")
+
+PUBLIC_COMMANDS = "{run,check-config}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chandrad", description="OCR appliance daemon for the Chandra model.")
+    parser.add_argument("--version", action="version", version=f"chandrad {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar=PUBLIC_COMMANDS, required=True)
+    for name, text in (("run", "run the daemon in the foreground (systemd runs this)"),
+                       ("check-config", "validate the config, including every engine flag "
+                        "against the installed vLLM, and print the engine command line")):
+        one = sub.add_parser(name, help=text, description=text)
+        one.add_argument("--config", type=Path, default=None, metavar="PATH",
+                         help="config file (default: $CHANDRAD_CONFIG, else "
+                         f"{config.DEFAULT_CONFIG_PATH})")
+    # Hidden: the daemon runs it in the engine's interpreter (engine/command.py).
+    sub.add_parser("check-flags")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else errors.ExitCode.USAGE
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "run": _run,
+        "check-config": _check_config,
+        "check-flags": _check_flags,
+    }
+    try:
+        return int(handlers[args.command](args))
+    except KeyboardInterrupt:
+        return errors.ExitCode.OK
+    except errors.ConfigError as exc:
+        _print_problems(exc.problems)
+        return exc.exit_code
+    except errors.ChandradError as exc:
+        print(f"chandrad: {exc.code}: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    except Exception:
+        _log.critical("internal error: chandrad %s stopped", args.command, exc_info=True)
+        return errors.ExitCode.SOFTWARE
+
+
+def _print_problems(problems: Sequence[errors.ConfigProblem]) -> None:
+    for problem in problems:
+        print(" ".join(str(problem).split()), file=sys.stderr)
+
+
+def _config_path(args: argparse.Namespace) -> Path:
+    path: Path | None = args.config
+    return path if path is not None else config.default_config_path()
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = config.load_config(_config_path(args))
+    try:
+        daemon = importlib.import_module("chandrad.daemon")
+    except ModuleNotFoundError as exc:
+        if exc.name != "chandrad.daemon":
+            raise
+        print("chandrad: this build has no daemon (chandrad/daemon.py is missing)",
+              file=sys.stderr)
+        return errors.ExitCode.SOFTWARE
+    return int(daemon.run(cfg))
+
+
+def gpu_total_gib(gpus: str) -> float | None:
+    """Memory of the smallest selected GPU (for ``"auto"``), ``None`` without NVML or GPU."""
+    try:
+        gpu = importlib.import_module("chandrad.gpu")
+        selected = None if gpus.strip().lower() == "all" else gpus.replace(" ", "").split(",")
+        total = gpu.total_memory_gib(selected)
+    except Exception:  # no NVML, no driver, no GPU: "auto" leaves vLLM's defaults
+        return None
+    return float(total) if total is not None else None
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    path = _config_path(args)
+    started = time.monotonic()
+    cfg = config.load_config(path)
+    engine = cfg.engine
+    print(f"config {path}: syntax, keys, types and ranges OK")
+    if not engine.supervised:
+        problems = _url_problems(engine.url)
+        print(f"engine: remote at {engine.base_url} (engine.url); chandrad supervises no "
+              "engine, so there is no engine command line to check")
+        return _finish(problems, path, started)
+    gib = gpu_total_gib(engine.gpus)
+    profile = initial_profile(engine.memory, gib)
+    cmd = command.build_engine_command(engine, profile, base_env=os.environ)
+    problems = command.validate_engine_args(cmd.flags)
+    memory = f"{gib:g} GiB" if gib is not None else "no GPU visible (auto: vLLM defaults)"
+    print(f"gpu memory: {memory}")
+    print(f"starting profile: {json.dumps(_profile_summary(profile), sort_keys=True)}")
+    print("engine command:")
+    print(f"  {shlex.join(cmd.argv)}")
+    print("engine environment set by chandrad:")
+    for name in sorted(cmd.env_added):
+        print(f"  {name}={shlex.quote(cmd.env_added[name])}")
+    return _finish(problems, path, started)
+
+
+def _profile_summary(profile: MemoryProfile) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(profile).items() if v is not None}
+
+
+def _url_problems(url: str) -> list[errors.ConfigProblem]:
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port that is not a number in range
+    except ValueError as exc:
+        return [errors.ConfigProblem("engine.url", f"{url!r} is not a valid URL: {exc}")]
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return [errors.ConfigProblem("engine.url", f"{url!r} needs http(s)://host[:port]")]
+    if parts.query or parts.fragment:
+        return [errors.ConfigProblem("engine.url", f"{url!r} must not have a query or "
+                                     "fragment; give the server root (optionally /v1)")]
+    return []
+
+
+def _finish(problems: list[errors.ConfigProblem], path: Path, started: float) -> int:
+    elapsed = time.monotonic() - started
+    if not problems:
+        print(f"OK ({elapsed:.1f} s)")
+        return errors.ExitCode.OK
+    text = _read_text(path)
+    located = [dataclasses.replace(p, file=str(path), line=config.key_line(text, p.key))
+               for p in problems]
+    raise errors.ConfigError(located)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
+
+
+def _check_flags(args: argparse.Namespace) -> int:
+    """Hidden: engine flags as a JSON list on stdin → problems as one JSON line on stdout."""
+    del args
+    try:
+        flags = json.loads(sys.stdin.read())
+    except ValueError as exc:
+        print(f"chandrad check-flags: stdin is not JSON: {exc}", file=sys.stderr)
+        return errors.ExitCode.USAGE
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        print("chandrad check-flags: expected a JSON list of strings", file=sys.stderr)
+        return errors.ExitCode.USAGE
+    problems = command.validate_engine_args(flags)
+    sys.stdout.write(command.problems_to_json(problems) + "\n")
+    return errors.ExitCode.OK
