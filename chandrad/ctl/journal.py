@@ -1,0 +1,360 @@
+"""``chandractl logs``: read chandrad's journal back and say what happened and what to change.
+
+Owns the analysis of the structured entries that ``chandrad.logs`` writes (SPEC §7):
+it runs the real ``journalctl -o json`` (``-u UNIT`` or ``--file F``), keeps the entries
+with ``SYSLOG_IDENTIFIER=chandrad`` plus systemd's own messages about the unit, and
+reports engine failures by class over time, profile changes with their reasons,
+restarts, failed files, pages per hour and recommendations — as text or as the
+versioned JSON object ``{"v": 1, ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from chandrad.errors import CtlExit
+
+#: systemd's "Automatic restarting of a unit has been scheduled" (systemd.catalog).
+SD_MESSAGE_UNIT_RESTART_SCHEDULED = "5eb03494b6584870a536b337290809b3"
+
+IDENTIFIER = "chandrad"
+
+#: Where a learned knob goes in the config (everything else: ``[engine.memory]``).
+_KNOB_SECTION = {"max_pixels": "[ocr]", "max_output_tokens": "[ocr]"}
+
+_FILE_ADVICE = {
+    "encrypted_pdf": "remove the password and drop the file again",
+    "decompression_bomb": "the image is larger than the pixel limit allows; rescale it",
+    "too_many_pages": "split the document or raise [ocr] max_pages",
+    "empty_input": "the file has no pages",
+    "unsupported_format": "only PDFs and images are accepted",
+    "corrupt_input": "the file cannot be parsed; re-export or re-scan it",
+    "internal_error": "a chandrad bug: keep the journal and report it",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One journal entry: its time and its fields as text."""
+
+    time: datetime
+    fields: dict[str, str]
+
+    def get(self, key: str) -> str:
+        return self.fields.get(key, "")
+
+    def value(self, key: str) -> Any:
+        """A ``CHANDRA_*`` field with its JSON encoding undone (strings stay strings)."""
+        raw = self.fields.get(key)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+
+
+def unit_name(unit: str) -> str:
+    return unit if "." in unit else f"{unit}.service"
+
+
+def journalctl_argv(*, since: str | None, unit: str, file: Path | None) -> list[str]:
+    """The journalctl command line that reads chandrad's entries."""
+    argv = ["journalctl", "-o", "json", "--all", "--no-pager", "-q"]
+    if since:
+        argv += ["--since", since]
+    if file is not None:
+        # A journal file may hold a whole host: keep ours and systemd's about our unit.
+        argv += [
+            "--file",
+            str(file),
+            f"SYSLOG_IDENTIFIER={IDENTIFIER}",
+            "+",
+            f"UNIT={unit_name(unit)}",
+        ]
+    else:
+        argv += ["-u", unit_name(unit)]
+    return argv
+
+
+def _field_text(value: Any) -> str:
+    """journalctl's JSON: a string, bytes as a number array, an array if repeated, null if huge."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return bytes(value).decode("utf-8", "replace")
+        return _field_text(value[-1]) if value else ""
+    return str(value)
+
+
+def parse_entries(lines: str) -> list[Entry]:
+    """Entries from ``journalctl -o json`` output, oldest first."""
+    entries: list[Entry] = []
+    for line in lines.splitlines():
+        if not line.strip():
+            continue
+        raw = json.loads(line)
+        fields = {k: _field_text(v) for k, v in raw.items()}
+        usec = int(fields.get("__REALTIME_TIMESTAMP") or 0)
+        entries.append(Entry(datetime.fromtimestamp(usec / 1e6, UTC), fields))
+    entries.sort(key=lambda e: e.time)
+    return entries
+
+
+def _iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _hour(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:00Z")
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+def analyze(entries: list[Entry], unit: str = "chandrad") -> dict[str, Any]:
+    """The ``chandractl logs --json`` report (``"v": 1``) for these entries."""
+    ours = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == IDENTIFIER]
+    about_unit = [e for e in entries if e.get("UNIT") == unit_name(unit)]
+    failures: Counter[str] = Counter()
+    failures_by_hour: dict[str, Counter[str]] = defaultdict(Counter)
+    last_evidence: dict[str, str] = {}
+    profile_changes: list[dict[str, Any]] = []
+    failed_files: list[dict[str, Any]] = []
+    pages: dict[str, dict[str, int]] = defaultdict(lambda: {"pages": 0, "files": 0})
+    restarts = 0
+    ready_seconds: list[float] = []
+
+    for e in ours:
+        event = e.get("CHANDRA_EVENT")
+        if event == "engine_failure":
+            cls = e.get("CHANDRA_CLASS") or "unknown"
+            failures[cls] += 1
+            failures_by_hour[_hour(e.time)][cls] += 1
+            last_evidence[cls] = e.get("CHANDRA_EVIDENCE")
+        elif event == "profile_change":
+            profile_changes.append(
+                {
+                    "time": _iso(e.time),
+                    "class": e.get("CHANDRA_CLASS"),
+                    "reason": e.get("CHANDRA_REASON"),
+                    "old": e.value("CHANDRA_OLD"),
+                    "new": e.value("CHANDRA_NEW"),
+                }
+            )
+        elif event == "engine_restart":
+            restarts += 1
+        elif event == "engine_ready":
+            seconds = e.value("CHANDRA_SECONDS")
+            if isinstance(seconds, int | float):
+                ready_seconds.append(float(seconds))
+        elif event == "job_failed":
+            failed_files.append(
+                {
+                    "time": _iso(e.time),
+                    "job": e.value("CHANDRA_JOB"),
+                    "file": e.get("CHANDRA_FILE"),
+                    "code": e.get("CHANDRA_CODE"),
+                    "reason": e.get("CHANDRA_REASON"),
+                }
+            )
+        elif event == "job_done":
+            n = e.value("CHANDRA_PAGES")
+            bucket = pages[_hour(e.time)]
+            bucket["pages"] += n if isinstance(n, int) else 0
+            bucket["files"] += 1
+
+    daemon_restarts = sum(
+        1 for e in about_unit if e.get("MESSAGE_ID") == SD_MESSAGE_UNIT_RESTART_SCHEDULED
+    )
+    watchdog_timeouts = sum(1 for e in about_unit if "Watchdog timeout" in e.get("MESSAGE"))
+    pages_per_hour = {
+        hour: {**b, "pages_per_min": round(b["pages"] / 60, 2)} for hour, b in sorted(pages.items())
+    }
+    report: dict[str, Any] = {
+        "v": 1,
+        "entries": len(ours),
+        "first": _iso(ours[0].time) if ours else None,
+        "last": _iso(ours[-1].time) if ours else None,
+        "failures": dict(failures.most_common()),
+        "failures_by_hour": {h: dict(c) for h, c in sorted(failures_by_hour.items())},
+        "profile_changes": profile_changes,
+        "restarts": restarts,
+        "daemon_restarts": daemon_restarts,
+        "watchdog_timeouts": watchdog_timeouts,
+        "engine_ready_seconds": ready_seconds,
+        "failed_files": failed_files,
+        "pages_per_hour": pages_per_hour,
+    }
+    report["recommendations"] = _recommend(report, last_evidence)
+    return report
+
+
+def _settled(changes: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
+    """``{knob: (first old, last new)}`` over all profile changes, for knobs that moved."""
+    first: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    for change in changes:
+        old, new = change.get("old"), change.get("new")
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            continue
+        for knob, value in old.items():
+            first.setdefault(knob, value)
+        last.update(new)
+    return {k: (first.get(k), v) for k, v in last.items() if first.get(k) != v}
+
+
+def _recommend(report: dict[str, Any], last_evidence: dict[str, str]) -> list[str]:
+    recs: list[str] = []
+    failures: dict[str, int] = report["failures"]
+    changes: list[dict[str, Any]] = report["profile_changes"]
+    if not report["entries"]:
+        return [
+            "no chandrad entries found: check --since and --unit, that the journal is "
+            "persistent (/var/log/journal exists) and that you may read it (group "
+            "systemd-journal or adm)"
+        ]
+    settled = _settled(changes)
+    if settled:
+        classes = Counter(c.get("class") or "unknown" for c in changes)
+        cls = classes.most_common(1)[0][0]
+        count = failures.get(cls, classes[cls])
+        moves = "; ".join(
+            f"{k} {_toml(o)} → settled on {_toml(n)}" for k, (o, n) in settled.items()
+        )
+        memory = [(k, n) for k, (_, n) in settled.items() if k != "expandable_segments"]
+        sets: list[str] = []
+        for knob, new in memory:
+            sets.append(f"{_KNOB_SECTION.get(knob, '[engine.memory]')} {knob} = {_toml(new)}")
+        if settled.get("expandable_segments", (None, None))[1] is True:
+            sets.append('[engine.env] PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"')
+        recs.append(
+            f"{count} {cls} at {moves}; set {', '.join(sets)} in the config "
+            "to skip the downshift at boot"
+        )
+    if failures.get("host_oom"):
+        recs.append(
+            f"{failures['host_oom']} host_oom: the kernel OOM killer stopped the engine (host "
+            "RAM, not GPU); lower [engine.memory] mm_processor_cache_gb or [ocr] render_workers, "
+            "or add RAM"
+        )
+    if failures.get("other_fatal"):
+        evidence = " ".join(last_evidence.get("other_fatal", "").split())[:160]
+        recs.append(
+            f"{failures['other_fatal']} other_fatal: not a memory problem, lowering memory will "
+            f"not help; last evidence: {evidence!r}"
+        )
+    if report["restarts"] and not failures and not changes:
+        recs.append(
+            f"the engine restarted {report['restarts']} times without a classified failure; "
+            "look for operator restarts or reloads that changed engine settings"
+        )
+    if report["daemon_restarts"] or report["watchdog_timeouts"]:
+        recs.append(
+            f"systemd restarted chandrad {report['daemon_restarts']} times "
+            f"({report['watchdog_timeouts']} watchdog timeouts): read `journalctl -u "
+            "chandrad -p warning` around those times"
+        )
+    codes = Counter(f["code"] or "unknown" for f in report["failed_files"])
+    for code, n in codes.most_common():
+        example = next(
+            f["file"] for f in report["failed_files"] if (f["code"] or "unknown") == code
+        )
+        advice = _FILE_ADVICE.get(code, "see <name>.error.json beside the file")
+        recs.append(
+            f"{n} file(s) failed with {code} (e.g. {example}): {advice}; "
+            "then `chandractl retry --failed`"
+        )
+    if not recs:
+        recs.append("no engine failures and no failed files: nothing to change")
+    return recs
+
+
+def render_text(report: dict[str, Any], out: TextIO) -> None:
+    """The human-readable report."""
+    w = out.write
+    w(f"chandrad journal: {report['entries']} entries")
+    if report["first"]:
+        w(f", {report['first']} … {report['last']}")
+    w("\n\nEngine failures by class\n")
+    if report["failures"]:
+        classes = list(report["failures"])
+        width = max(len(c) for c in classes)
+        w(f"  {'hour':<18}" + "".join(f"{c:>{width + 2}}" for c in classes) + "\n")
+        for hour, counts in report["failures_by_hour"].items():
+            w(f"  {hour:<18}" + "".join(f"{counts.get(c, 0):>{width + 2}}" for c in classes) + "\n")
+        w(f"  {'total':<18}" + "".join(f"{report['failures'][c]:>{width + 2}}" for c in classes))
+        w("\n")
+    else:
+        w("  none\n")
+    w("\nProfile changes\n")
+    for change in report["profile_changes"] or []:
+        old, new = change["old"], change["new"]
+        if isinstance(old, dict) and isinstance(new, dict):
+            moved = ", ".join(f"{k} {_toml(old.get(k))} → {_toml(v)}" for k, v in new.items())
+        else:
+            moved = f"{old} → {new}"
+        w(f"  {change['time']}  {change['class'] or '-'}: {moved}  ({change['reason']})\n")
+    if not report["profile_changes"]:
+        w("  none\n")
+    w(
+        f"\nRestarts: engine {report['restarts']}, daemon {report['daemon_restarts']} "
+        f"(watchdog timeouts {report['watchdog_timeouts']})\n"
+    )
+    if report["engine_ready_seconds"]:
+        secs = report["engine_ready_seconds"]
+        w(f"Engine load: {len(secs)} times, last {secs[-1]:.0f} s, longest {max(secs):.0f} s\n")
+    w("\nFailed files\n")
+    for f in report["failed_files"]:
+        w(f"  {f['time']}  {f['file']}  {f['code']}: {f['reason']}\n")
+    if not report["failed_files"]:
+        w("  none\n")
+    w("\nThroughput by hour\n")
+    for hour, b in report["pages_per_hour"].items():
+        w(
+            f"  {hour:<18} {b['pages']:>6} pages {b['files']:>5} files "
+            f"{b['pages_per_min']:>8.2f} pages/min\n"
+        )
+    if not report["pages_per_hour"]:
+        w("  no finished jobs\n")
+    w("\nRecommendations\n")
+    for rec in report["recommendations"]:
+        w(f"  - {rec}\n")
+
+
+def run_logs(*, since: str | None, unit: str, file: Path | None, as_json: bool, out: TextIO) -> int:
+    """Run journalctl, analyse, print; returns a chandractl exit status."""
+    argv = journalctl_argv(since=since, unit=unit, file=file)
+    exe = shutil.which(argv[0])
+    if exe is None:
+        out.write("chandractl logs: journalctl not found (install systemd)\n")
+        return int(CtlExit.ERROR)
+    if file is not None and not file.exists():
+        out.write(f"chandractl logs: {file}: no such journal file\n")
+        return int(CtlExit.ERROR)
+    proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, errors="replace")
+    if proc.returncode != 0:
+        message = proc.stderr.strip() or f"journalctl exited with status {proc.returncode}"
+        out.write(f"chandractl logs: {message}\n")
+        return int(CtlExit.ERROR)
+    report = analyze(parse_entries(proc.stdout), unit)
+    if as_json:
+        out.write(json.dumps(report, ensure_ascii=False, indent=2) + "\n")
+    else:
+        render_text(report, out)
+    return int(CtlExit.OK)

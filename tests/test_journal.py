@@ -1,0 +1,291 @@
+"""chandractl logs: our logger → a real journal file (systemd-journal-remote) → journalctl."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chandrad.ctl.journal import SD_MESSAGE_UNIT_RESTART_SCHEDULED, journalctl_argv, run_logs
+from chandrad.logs import MESSAGE_IDS, configure_logging, get_logger
+
+BASE = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
+BOOT_ID = "0123456789abcdef0123456789abcdef"
+LONG_EVIDENCE = "NCCL error: unhandled system error " + "x" * 5000
+
+
+def _journal_remote() -> str:
+    for candidate in (
+        "/lib/systemd/systemd-journal-remote",
+        "/usr/lib/systemd/systemd-journal-remote",
+    ):
+        if Path(candidate).exists():
+            return candidate
+    pytest.skip("systemd-journal-remote missing (apt-get install systemd-journal-remote)")
+
+
+def _journalctl() -> None:
+    if shutil.which("journalctl") is None:
+        pytest.skip("journalctl missing (Debian package systemd)")
+
+
+def _export_entry(payload: bytes, when: datetime) -> bytes:
+    """One journal export-format entry: the native payload plus the trusted timestamp fields."""
+    usec = int(when.timestamp() * 1_000_000)
+    return f"__REALTIME_TIMESTAMP={usec}\n_BOOT_ID={BOOT_ID}\n".encode() + payload + b"\n"
+
+
+def _emit_history(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[bytes, datetime]]:
+    """Log a day of daemon life through configure_logging('journal'); return the datagrams."""
+    sock_path = tmp_path / "journal.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.05)
+    monkeypatch.setenv("CHANDRAD_JOURNAL_SOCKET", str(sock_path))
+    received: list[bytes] = []
+    stop = threading.Event()
+
+    def reader() -> None:  # plays journald
+        while True:
+            try:
+                received.append(sock.recv(1 << 20))
+            except TimeoutError:
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    configure_logging("journal", "info", stream=io.StringIO())
+    log = get_logger("chandrad.engine")
+    times: list[datetime] = []
+
+    def at(seconds: float) -> None:
+        times.append(BASE + timedelta(seconds=seconds))
+
+    at(0)
+    log.info("daemon_state", old="starting", new="running", reason="started")
+    mml = [32768, 24000, 20000, 18000]
+    for i in range(3):
+        t = 60 + 200 * i
+        at(t)
+        log.error(
+            "engine_failure",
+            evidence="ValueError: To serve at least one request with the model's max seq len",
+            numbers={"L": mml[i], "N": mml[i + 1]},
+            **{"class": "kv_cache_insufficient"},
+        )
+        at(t + 1)
+        log.warning(
+            "profile_change",
+            old={"max_model_len": mml[i]},
+            new={"max_model_len": mml[i + 1]},
+            reason=f"vLLM estimated maximum model length {mml[i + 1]}",
+            **{"class": "kv_cache_insufficient"},
+        )
+        at(t + 2)
+        log.info("engine_restart", restarts=i + 1)
+    at(700)
+    log.info("engine_ready", seconds=81.5)
+    for minute, pages in ((20, 10), (40, 20), (65, 30), (80, 30), (110, 60)):
+        at(minute * 60)
+        log.info(
+            "job_done",
+            job=minute,
+            file=f"/srv/in/{minute}.pdf",
+            pages=pages,
+            seconds=9.5,
+            state="done",
+        )
+    at(90 * 60)
+    log.error(
+        "job_failed",
+        job=99,
+        file="/srv/in/東京.pdf",
+        code="encrypted_pdf",
+        reason="password-protected PDF",
+    )
+    at(120 * 60)
+    log.error("engine_failure", evidence=LONG_EVIDENCE, **{"class": "other_fatal"})
+    at(120 * 60 + 5)
+    log.info("engine_restart", restarts=4)
+    stop.set()
+    thread.join()
+    sock.close()
+    configure_logging("json", "info", stream=io.StringIO())
+    assert len(received) == len(times)
+    return list(zip(received, times, strict=True))
+
+
+@pytest.fixture
+def journal_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    remote = _journal_remote()
+    _journalctl()
+    history = _emit_history(monkeypatch, tmp_path)
+    systemd_entries = [
+        (
+            b"SYSLOG_IDENTIFIER=systemd\nUNIT=chandrad.service\nPRIORITY=3\n"
+            b"MESSAGE=chandrad.service: Watchdog timeout (limit 1min)!\n",
+            BASE + timedelta(minutes=125),
+        ),
+        (
+            b"SYSLOG_IDENTIFIER=systemd\nUNIT=chandrad.service\nPRIORITY=6\n"
+            + f"MESSAGE_ID={SD_MESSAGE_UNIT_RESTART_SCHEDULED}\n".encode()
+            + b"MESSAGE=chandrad.service: Scheduled restart job, restart counter is at 1.\n",
+            BASE + timedelta(minutes=125, seconds=10),
+        ),
+        (
+            b"SYSLOG_IDENTIFIER=sshd\nPRIORITY=6\nMESSAGE=Accepted publickey for root\n",
+            BASE + timedelta(minutes=30),
+        ),
+    ]
+    export = b"".join(
+        _export_entry(p, t) for p, t in sorted(history + systemd_entries, key=lambda x: x[1])
+    )
+    out = tmp_path / "remote.journal"
+    res = subprocess.run([remote, "-o", str(out), "-"], input=export, capture_output=True)
+    assert res.returncode == 0, res.stderr
+    yield out
+
+
+def _report(journal: Path, since: str | None = None) -> dict[str, Any]:
+    buf = io.StringIO()
+    assert run_logs(since=since, unit="chandrad", file=journal, as_json=True, out=buf) == 0
+    report: dict[str, Any] = json.loads(buf.getvalue())
+    return report
+
+
+def test_report_from_real_journal_file(journal_file: Path) -> None:
+    """Failures, profile changes, restarts, failed files, pages/hour come back via journalctl."""
+    report = _report(journal_file)
+    assert report["v"] == 1
+    assert report["entries"] == 19  # the sshd entry and systemd's own are not chandrad's
+    assert report["failures"] == {"kv_cache_insufficient": 3, "other_fatal": 1}
+    assert report["failures_by_hour"] == {
+        "2026-01-05T10:00Z": {"kv_cache_insufficient": 3},
+        "2026-01-05T12:00Z": {"other_fatal": 1},
+    }
+    assert [c["new"]["max_model_len"] for c in report["profile_changes"]] == [24000, 20000, 18000]
+    assert report["profile_changes"][0]["reason"] == "vLLM estimated maximum model length 24000"
+    assert report["restarts"] == 4
+    assert report["daemon_restarts"] == 1 and report["watchdog_timeouts"] == 1
+    assert report["engine_ready_seconds"] == [81.5]
+    assert report["failed_files"] == [
+        {
+            "time": "2026-01-05T11:30:00Z",
+            "job": 99,
+            "file": "/srv/in/東京.pdf",
+            "code": "encrypted_pdf",
+            "reason": "password-protected PDF",
+        }
+    ]
+    assert report["pages_per_hour"] == {
+        "2026-01-05T10:00Z": {"pages": 30, "files": 2, "pages_per_min": 0.5},
+        "2026-01-05T11:00Z": {"pages": 120, "files": 3, "pages_per_min": 2.0},
+    }
+
+
+def test_recommendations_name_the_settled_profile(journal_file: Path) -> None:
+    """The downshift is summarised as the config line that would skip it at boot."""
+    recs = _report(journal_file)["recommendations"]
+    assert recs[0] == (
+        "3 kv_cache_insufficient at max_model_len 32768 → settled on 18000; "
+        "set [engine.memory] max_model_len = 18000 in the config to skip the downshift at boot"
+    )
+    joined = "\n".join(recs)
+    assert "1 other_fatal: not a memory problem" in joined and "NCCL error" in joined
+    assert "systemd restarted chandrad 1 times (1 watchdog timeouts)" in joined
+    assert "1 file(s) failed with encrypted_pdf (e.g. /srv/in/東京.pdf)" in joined
+
+
+def test_since_is_applied_by_journalctl(journal_file: Path) -> None:
+    """--since reaches journalctl: only the later hours are analysed."""
+    report = _report(journal_file, since="2026-01-05 11:00:00 UTC")
+    assert report["failures"] == {"other_fatal": 1}
+    assert report["profile_changes"] == []
+    assert list(report["pages_per_hour"]) == ["2026-01-05T11:00Z"]
+
+
+def test_message_ids_are_queryable_in_the_journal(journal_file: Path) -> None:
+    """journalctl MESSAGE_ID=<job_done id> finds exactly the job_done entries."""
+    res = subprocess.run(
+        [
+            "journalctl",
+            "--file",
+            str(journal_file),
+            "-o",
+            "json",
+            f"MESSAGE_ID={MESSAGE_IDS['job_done']}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(rows) == 5 and {r["CHANDRA_EVENT"] for r in rows} == {"job_done"}
+
+
+def test_text_report_sections(journal_file: Path) -> None:
+    """The text report shows each section and the recommendation."""
+    buf = io.StringIO()
+    assert run_logs(since=None, unit="chandrad", file=journal_file, as_json=False, out=buf) == 0
+    text = buf.getvalue()
+    for heading in (
+        "Engine failures by class",
+        "Profile changes",
+        "Restarts: engine 4, daemon 1",
+        "Failed files",
+        "Throughput by hour",
+        "Recommendations",
+    ):
+        assert heading in text
+    assert "max_model_len 32768 → 24000" in text
+    assert "2.00 pages/min" in text
+
+
+def test_missing_journal_file_is_an_error(tmp_path: Path) -> None:
+    """A --file that does not exist exits 1 with a message."""
+    buf = io.StringIO()
+    assert (
+        run_logs(since=None, unit="chandrad", file=tmp_path / "nope.journal", as_json=True, out=buf)
+        == 1
+    )
+    assert "no such journal file" in buf.getvalue()
+
+
+def test_unit_mode_without_entries_explains_why() -> None:
+    """Reading a unit with no entries (no journald here) recommends checking access/persistence."""
+    _journalctl()
+    buf = io.StringIO()
+    rc = run_logs(since=None, unit="chandrad-test-absent", file=None, as_json=True, out=buf)
+    if rc != 0:
+        pytest.skip(f"journalctl cannot read the system journal here: {buf.getvalue().strip()}")
+    report = json.loads(buf.getvalue())
+    assert report["entries"] == 0
+    assert report["recommendations"][0].startswith("no chandrad entries found")
+
+
+def test_journalctl_argv_scopes_to_unit_or_file() -> None:
+    """-u for the live journal; identifier + unit matches for a file."""
+    assert journalctl_argv(since="-1h", unit="chandrad", file=None)[-4:] == [
+        "--since",
+        "-1h",
+        "-u",
+        "chandrad.service",
+    ]
+    argv = journalctl_argv(since=None, unit="chandrad", file=Path("/x.journal"))
+    assert argv[-5:] == [
+        "--file",
+        "/x.journal",
+        "SYSLOG_IDENTIFIER=chandrad",
+        "+",
+        "UNIT=chandrad.service",
+    ]
