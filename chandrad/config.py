@@ -271,6 +271,10 @@ class _Reader:
             self.seen.add(name)
             return self.table[name]
         value = self.get(name, kinds + tuple({type(a) for a in allow if a is not None}), default)
+        if isinstance(value, str) and value not in allow:
+            self.problem(name, f"{value!r} is neither a number nor one of: "
+                         f"{', '.join(map(str, allow))}", "config_type")
+            return default
         if value is None or value in allow or not isinstance(value, (int, float)):
             return value
         if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -332,7 +336,9 @@ def parse_config(text: str, path: Path) -> Config:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        line = getattr(exc, "lineno", None)
+        # TOMLDecodeError.lineno only exists from Python 3.14; older ones say it in the text.
+        at = re.search(r"\(at line (\d+)", str(exc))
+        line = getattr(exc, "lineno", None) or (int(at.group(1)) if at else None)
         raise ConfigError([ConfigProblem("-", f"not valid TOML: {exc}", file, line,
                                          "config_syntax")]) from exc
     problems: list[ConfigProblem] = []
@@ -391,6 +397,7 @@ def _watches(
         inp = r.path("input", None, base)
         if inp is None:
             r.problem("input", "required: the folder to watch")
+            r.seen.update(f.name for f in fields(WatchConfig))
             r.finish()
             continue
         parent = inp.parent
@@ -596,6 +603,7 @@ def dataclass_dict(obj: Any) -> dict[str, Any]:
         elif isinstance(value, Path):
             value = str(value)
         elif isinstance(value, tuple):
-            value = [str(v) if isinstance(v, Path) else v for v in value]
+            value = [dataclass_dict(v) if hasattr(v, "__dataclass_fields__")
+                     else str(v) if isinstance(v, Path) else v for v in value]
         out[f.name] = value
     return out
