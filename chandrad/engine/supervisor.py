@@ -399,6 +399,7 @@ class EngineSupervisor:
                 return
             if await self._client.is_ready(self.engine.served_model_name):
                 gen.ready_at = time.monotonic()
+                gen.scanner.mark_ready()
                 seconds = round(gen.ready_at - gen.started_at, 1)
                 self._transition(EngineState.READY, "health 200 and model listed",
                                  seconds=seconds)
