@@ -27,6 +27,7 @@ from chandrad.control.server import ControlServer
 from chandrad.engine.profile import GpuFacts
 from chandrad.engine.supervisor import EngineSupervisor, installed_vllm_version
 from chandrad.errors import ConfigError, ControlError, ExitCode
+from chandrad.logs import configure_logging
 from chandrad.pipeline import Pipeline
 from chandrad.render import RenderPool
 from chandrad.states import DAEMON_TRANSITIONS, DaemonState, EngineState
@@ -265,6 +266,8 @@ class Daemon:
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + exc.message) from exc
+        if new.daemon != self.config.daemon:
+            configure_logging(new.daemon.log_format, new.daemon.log_level)
         restart = await self.engine.reconfigure(new.engine, new.ocr)
         watches_changed = new.watch != self.config.watch
         self.config = new
