@@ -1,0 +1,307 @@
+"""Tests for chandrad.ocr against chandra-ocr's own client, prompts and post-processing.
+
+Chandra's vLLM client (``chandra.model.vllm.generate_vllm``) is run for real against a
+local HTTP server that speaks the OpenAI chat-completions protocol and records every
+request body; chandrad's request builder and retry schedule must match what it sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chandra.model.schema import BatchInputItem
+from chandra.model.util import detect_repeat_token
+from chandra.model.vllm import generate_vllm
+from chandra.prompts import PROMPT_MAPPING
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from chandrad import errors
+from chandrad.ocr import (
+    build_chat_request,
+    parse_page,
+    retry_reason,
+    sampling_for_attempt,
+)
+from chandrad.render import render_page
+
+
+def corpus_dir() -> Path:
+    """The shared corpus: ``../shared/corpus`` beside the repo, else ``/work/shared/corpus``."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    return beside if beside.is_dir() else Path("/work/shared/corpus")
+
+
+class _Recorder(ThreadingHTTPServer):
+    answer = ""
+    bodies: list[dict[str, Any]]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Recorder
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        length = int(self.headers["Content-Length"])
+        self.server.bodies.append(json.loads(self.rfile.read(length)))
+        reply = {
+            "id": "cmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "chandra",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": self.server.answer},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def openai_server() -> Iterator[_Recorder]:
+    server = _Recorder(("127.0.0.1", 0), _Handler)
+    server.bodies = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def page_png() -> bytes:
+    return render_page(corpus_dir() / "good/scan_book-page_c02-22.pdf", 0, 1024, 6291456).png
+
+
+def _pixels(data_url: str) -> tuple[tuple[int, int], bytes]:
+    prefix = "data:image/png;base64,"
+    assert data_url.startswith(prefix)
+    with Image.open(io.BytesIO(base64.b64decode(data_url[len(prefix) :]))) as img:
+        return img.size, img.convert("RGB").tobytes()
+
+
+def _split_image(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    body = json.loads(json.dumps(body))
+    part = body["messages"][0]["content"][0]
+    url = str(part["image_url"]["url"])
+    part["image_url"]["url"] = "<image>"
+    return body, url
+
+
+def _run_chandra(server: _Recorder, image: Image.Image) -> None:
+    host, port = server.server_address[:2]
+    generate_vllm(
+        [BatchInputItem(image=image, prompt_type="ocr_layout")],
+        max_output_tokens=12384,
+        max_retries=6,
+        vllm_api_base=f"http://{host!s}:{port}/v1",
+    )
+
+
+def test_request_matches_chandras_client(openai_server: _Recorder, page_png: bytes) -> None:
+    """The body equals what chandra's vLLM client sends for the same page, pixel for pixel."""
+    openai_server.answer = '<div data-bbox="0 0 10 10" data-label="Text"><p>ok</p></div>'
+    _run_chandra(openai_server, Image.open(io.BytesIO(page_png)))
+    assert len(openai_server.bodies) == 1
+    theirs, their_url = _split_image(openai_server.bodies[0])
+    t0, p0 = sampling_for_attempt(0)
+    ours, our_url = _split_image(
+        build_chat_request(
+            page_png,
+            model="chandra",
+            prompt_type="ocr_layout",
+            max_output_tokens=12384,
+            temperature=t0,
+            top_p=p0,
+        )
+    )
+    assert ours == theirs
+    assert _pixels(our_url) == _pixels(their_url)
+    assert our_url == "data:image/png;base64," + base64.b64encode(page_png).decode()
+
+
+def test_unfitted_image_is_resized_like_chandra(openai_server: _Recorder) -> None:
+    """A PNG that is not at scale_to_fit's size is resized exactly as chandra's client does."""
+    big = Image.new("RGB", (3500, 2600), "white")
+    big.paste((10, 20, 30), (100, 100, 900, 700))
+    buf = io.BytesIO()
+    big.save(buf, format="PNG")
+    _run_chandra(openai_server, big)
+    _, their_url = _split_image(openai_server.bodies[0])
+    request = build_chat_request(
+        buf.getvalue(),
+        model="chandra",
+        prompt_type="ocr_layout",
+        max_output_tokens=100,
+        temperature=0.0,
+        top_p=0.1,
+    )
+    _, our_url = _split_image(request)
+    size, pixels = _pixels(our_url)
+    assert size[0] * size[1] <= 6291456
+    assert (size, pixels) == _pixels(their_url)
+
+
+def test_retry_schedule_matches_chandra(openai_server: _Recorder, page_png: bytes) -> None:
+    """Chandra's client, fed a repetition loop each time, retries with our schedule."""
+    openai_server.answer = "<div>" + "la " * 300
+    _run_chandra(openai_server, Image.open(io.BytesIO(page_png)))
+    sent = [(b["temperature"], b["top_p"]) for b in openai_server.bodies]
+    assert len(sent) == 7  # first try + MAX_VLLM_RETRIES
+    ours = [sampling_for_attempt(i) for i in range(7)]
+    for (t_sent, p_sent), (t_ours, p_ours) in zip(sent, ours, strict=True):
+        assert t_sent == pytest.approx(t_ours) and p_sent == pytest.approx(p_ours)
+    assert sampling_for_attempt(20) == sampling_for_attempt(4)
+
+
+def test_prompt_comes_from_chandra_and_unknown_type_is_refused(page_png: bytes) -> None:
+    """Both of Chandra's prompt types are sent verbatim; an unknown one is an error."""
+    for prompt_type, prompt in PROMPT_MAPPING.items():
+        body = build_chat_request(
+            page_png,
+            model="m",
+            prompt_type=prompt_type,
+            max_output_tokens=5,
+            temperature=0.2,
+            top_p=0.95,
+        )
+        assert body["messages"][0]["content"][1] == {"type": "text", "text": prompt}
+        assert (body["max_tokens"], body["temperature"], body["top_p"]) == (5, 0.2, 0.95)
+    with pytest.raises(errors.InputError, match="unknown prompt type"):
+        build_chat_request(
+            page_png,
+            model="m",
+            prompt_type="nope",
+            max_output_tokens=5,
+            temperature=0.0,
+            top_p=0.1,
+        )
+
+
+def test_retry_reason() -> None:
+    """Repetition (also hidden by a 50-char tail) and length truncation ask for a retry."""
+    looped = "<p>" + "x y " * 200
+    assert retry_reason(looped, "stop") == "repetition"
+    tail_hidden = "<p>" + "ab" * 200 + "then a different 40-char ending here..."
+    assert not detect_repeat_token(tail_hidden)
+    assert retry_reason(tail_hidden, "stop") == "repetition"
+    assert retry_reason("<p>A normal paragraph of text.</p>", "length") == "length"
+    assert retry_reason("<p>A normal paragraph of text.</p>", "stop") is None
+    assert retry_reason("", None) is None
+
+
+RAW = (
+    '<div data-bbox="0 0 1000 50" data-label="Page-Header"><p>CHAPTER XXII</p></div>'
+    '<div data-bbox="100 100 900 300" data-label="Section-Header"><h2>The Circus</h2></div>'
+    '<div data-bbox="100 300 900 600" data-label="Text">Costs $5 and <math>x^2</math></div>'
+    '<div data-bbox="200 600 800 900" data-label="Image"><img alt="a horse"/>drawing</div>'
+    '<div data-bbox="0 950 1000 1000" data-label="Page-Footer"><p>22</p></div>'
+)
+
+
+def test_parse_page_blocks_in_page_pixels(page_png: bytes) -> None:
+    """Blocks carry label, bbox scaled from 0-1000 to the page's pixels, and their HTML."""
+    with Image.open(io.BytesIO(page_png)) as img:
+        width, height = img.size
+    result = parse_page(RAW, page_png, include_images=True, include_headers_footers=False)
+    labels = [b["label"] for b in result.blocks]
+    assert labels == ["Page-Header", "Section-Header", "Text", "Image", "Page-Footer"]
+    assert result.blocks[1]["bbox"] == [
+        int(100 * width / 1000),
+        int(100 * height / 1000),
+        int(900 * width / 1000),
+        int(300 * height / 1000),
+    ]
+    assert "The Circus" in result.blocks[1]["html"]
+    assert "## The Circus" in result.markdown
+    assert "\\$5" in result.markdown and "$x^2$" in result.markdown
+    assert "CHAPTER XXII" not in result.markdown and "CHAPTER XXII" not in result.html
+
+
+def test_parse_page_headers_and_images_follow_flags(page_png: bytes) -> None:
+    """Header/footer and image inclusion follow the flags; crops decode at the bbox size."""
+    with_all = parse_page(RAW, page_png, include_images=True, include_headers_footers=True)
+    assert "CHAPTER XXII" in with_all.markdown
+    assert len(with_all.images) == 1
+    name, data = next(iter(with_all.images.items()))
+    assert name in with_all.html and name in with_all.markdown
+    x0, y0, x1, y1 = with_all.blocks[3]["bbox"]
+    with Image.open(io.BytesIO(data)) as crop:
+        assert crop.format == "WEBP"
+        assert crop.size == (x1 - x0, y1 - y0)
+    without = parse_page(RAW, page_png, include_images=False, include_headers_footers=False)
+    assert without.images == {}
+    assert "<img" not in without.html
+    assert [b["label"] for b in without.blocks][3] == "Image"  # layout still lists it
+
+
+def test_parse_page_notes_bad_bbox(page_png: bytes) -> None:
+    """A malformed bbox does not crash; chandra's complaint is kept as a note, not printed."""
+    raw = '<div data-bbox="12 x" data-label="Text"><p>hi</p></div>'
+    result = parse_page(raw, page_png, include_images=True, include_headers_footers=False)
+    assert result.blocks == [{"label": "Text", "bbox": [0, 0, 1, 1], "html": "<p>hi</p>"}]
+    assert any("Invalid bbox" in note for note in result.notes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    raw=st.one_of(
+        st.text(max_size=400),
+        st.lists(
+            st.sampled_from(
+                [
+                    "<div ",
+                    'data-bbox="',
+                    "1 2 3 4",
+                    "-5 9999 0",
+                    '" ',
+                    'data-label="Image"',
+                    'data-label="Table"',
+                    ">",
+                    "<img>",
+                    "<table><tr><td>",
+                    "</div>",
+                    "<math display='block'>",
+                    "\x00",
+                    "é漢",
+                ]
+            ),
+            max_size=40,
+        ).map("".join),
+    )
+)
+def test_parse_page_survives_garbage(raw: str) -> None:
+    """Random model output never raises; bboxes stay lists of four ints."""
+    png = _small_png()
+    result = parse_page(raw, png, include_images=True, include_headers_footers=False)
+    assert isinstance(result.markdown, str) and isinstance(result.html, str)
+    for block in result.blocks:
+        assert len(block["bbox"]) == 4 and all(isinstance(v, int) for v in block["bbox"])
+
+
+def _small_png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (280, 364), "white").save(buf, format="PNG")
+    return buf.getvalue()
