@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from control_harness import ServerThread
 
+from chandrad import config as config_module
+from chandrad.ctl import client
 from chandrad.ctl.client import resolve_socket
 from chandrad.ctl.render import render
 
@@ -229,6 +231,9 @@ def test_resolve_socket_order(tmp_path: Path) -> None:
     assert resolve_socket(None, env) == Path("/run/chandrad/control.sock")
     assert resolve_socket(None, {"CHANDRAD_CONFIG": str(tmp_path / "none.toml")}) == Path(
         "/run/chandrad/control.sock")
+    # The client keeps its own copies of these defaults to start fast; they must agree.
+    assert client.DEFAULT_CONFIG == config_module.DEFAULT_CONFIG_PATH
+    assert config_module.ControlConfig().socket == client.DEFAULT_SOCKET
 
 
 def test_client_path_imports_stay_light(server: ServerThread) -> None:

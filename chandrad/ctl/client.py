@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from chandrad.config import DEFAULT_CONFIG_PATH, load_config
 from chandrad.errors import ChandradError, ConfigError, ControlError
 from chandrad.protocol import MAX_LINE_BYTES, ProtocolError, decode_reply, encode_request
 
 DEFAULT_SOCKET = Path("/run/chandrad/control.sock")
+DEFAULT_CONFIG = Path("/etc/chandrad/chandrad.toml")  # as config.DEFAULT_CONFIG_PATH
 START_HINT = (
     "is chandrad running? start it with `systemctl start chandrad` "
     "or `chandrad run --config ...`"
@@ -57,8 +57,10 @@ def resolve_socket(option: str | None, environ: Mapping[str, str] = os.environ) 
         return Path(environ["CHANDRAD_SOCKET"])
     if environ.get("RUNTIME_DIRECTORY"):
         return Path(environ["RUNTIME_DIRECTORY"].split(":")[0]) / "control.sock"
-    config = Path(environ.get("CHANDRAD_CONFIG") or DEFAULT_CONFIG_PATH)
+    config = Path(environ.get("CHANDRAD_CONFIG") or DEFAULT_CONFIG)
     if os.access(config, os.R_OK):
+        from chandrad.config import load_config  # only here: it costs a third of start-up
+
         try:
             return load_config(config).control.socket
         except ConfigError:
