@@ -1,0 +1,316 @@
+"""Tests for chandrad.outputs: layout, atomic and idempotent writes, moves that never overwrite."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from chandrad import errors
+from chandrad.ocr import parse_page
+from chandrad.outputs import (
+    CLAIM_FILE,
+    PageOutput,
+    atomic_write,
+    move_to,
+    output_dir_for,
+    write_document,
+    write_error_json,
+)
+from chandrad.render import render_page
+
+FORMATS = ("md", "html", "json")
+
+
+def corpus_dir() -> Path:
+    """The shared corpus: ``../shared/corpus`` beside the repo, else ``/work/shared/corpus``."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    return beside if beside.is_dir() else Path("/work/shared/corpus")
+
+
+RAW = (
+    '<div data-bbox="100 100 900 300" data-label="Section-Header"><h2>Page {n}</h2></div>'
+    '<div data-bbox="200 400 800 900" data-label="Image"><img alt="figure {n}"/>art</div>'
+)
+
+
+def _pages(source: Path, count: int, failed: tuple[int, ...] = ()) -> list[PageOutput]:
+    """Real pages: rendered from the corpus and post-processed by chandra.output."""
+    pages = []
+    for n in range(1, count + 1):
+        rendered = render_page(source, n - 1, 1024, 6291456)
+        if n in failed:
+            pages.append(PageOutput(n, "failed", 7, "repetition", rendered.width, rendered.height))
+            continue
+        result = parse_page(
+            RAW.format(n=n), rendered.png, include_images=True, include_headers_footers=False
+        )
+        pages.append(
+            PageOutput(
+                page=n,
+                status="ok",
+                attempts=1,
+                error=None,
+                width=rendered.width,
+                height=rendered.height,
+                markdown=result.markdown,
+                html=result.html,
+                blocks=result.blocks,
+                images=result.images,
+            )
+        )
+    return pages
+
+
+def _metadata(source: Path) -> dict[str, object]:
+    return {
+        "source": str(source),
+        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "model": "chandra",
+    }
+
+
+@pytest.fixture(scope="module")
+def fax_pages() -> list[PageOutput]:
+    return _pages(corpus_dir() / "good/image_multipage-fax-g3_3p.tif", 3, failed=(2,))
+
+
+def test_output_dir_for_keeps_relative_dir(tmp_path: Path) -> None:
+    """<output>/<relative dir>/<stem>; an input outside the watched root is refused."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    assert output_dir_for(out, inp, inp / "a" / "b" / "scan.v2.pdf") == out / "a" / "b" / "scan.v2"
+    assert output_dir_for(out, inp, inp / "x.tif") == out / "x"
+    with pytest.raises(errors.OutputError, match="not under"):
+        output_dir_for(out, inp, tmp_path / "elsewhere" / "x.pdf")
+
+
+def test_write_document_layout(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """md, html, json, metadata and images are written; json has one entry per page in order."""
+    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    written = write_document(tmp_path / "fax", "fax", fax_pages, _metadata(source), FORMATS)
+    names = {p.name for p in written}
+    assert {"fax.md", "fax.html", "fax.json", "fax_metadata.json"} <= names
+    image_names = {n for n in names if n.endswith(".webp")}
+    assert len(image_names) == 2  # pages 1 and 3; page 2 failed
+    assert all(p.parent == tmp_path / "fax" for p in written)
+
+    doc = json.loads((tmp_path / "fax" / "fax.json").read_text())
+    assert doc["source"] == str(source)
+    assert [p["page"] for p in doc["pages"]] == [1, 2, 3]
+    assert [p["status"] for p in doc["pages"]] == ["ok", "failed", "ok"]
+    assert doc["pages"][1]["error"] == "repetition" and doc["pages"][1]["attempts"] == 7
+    assert "error" not in doc["pages"][0]
+    first = doc["pages"][0]
+    assert (first["width"], first["height"]) == (fax_pages[0].width, fax_pages[0].height)
+    assert first["blocks"][0]["label"] == "Section-Header"
+    assert set(first["blocks"][0]) == {"label", "bbox", "html"}
+
+    markdown = (tmp_path / "fax" / "fax.md").read_text()
+    assert markdown.index("Page 1") < markdown.index("Page 3")
+    html = (tmp_path / "fax" / "fax.html").read_text()
+    for name in image_names:
+        assert name in html
+        with Image.open(tmp_path / "fax" / name) as img:
+            assert img.format == "WEBP"
+
+    meta = json.loads((tmp_path / "fax" / "fax_metadata.json").read_text())
+    assert meta["model"] == "chandra"
+    assert (meta["num_pages"], meta["pages_ok"], meta["pages_failed"]) == (3, 2, 1)
+    assert not [p for p in (tmp_path / "fax").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_formats_subset(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """Only the configured formats are written; metadata always is."""
+    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    written = write_document(tmp_path / "fax", "fax", fax_pages, _metadata(source), ("md",))
+    names = {p.name for p in written}
+    assert "fax.md" in names and "fax_metadata.json" in names
+    assert "fax.html" not in names and "fax.json" not in names
+    assert not (tmp_path / "fax" / "fax.html").exists()
+
+
+def test_rewrite_same_source_is_idempotent(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """Writing the same document again replaces its files and drops ones no longer produced."""
+    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    meta = _metadata(source)
+    first = write_document(tmp_path / "fax", "fax", fax_pages, meta, FORMATS)
+    before = sorted(p.name for p in (tmp_path / "fax").iterdir())
+    again = write_document(tmp_path / "fax", "fax", fax_pages, meta, FORMATS)
+    assert again == first
+    assert sorted(p.name for p in (tmp_path / "fax").iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["fax"]
+
+    fewer = [fax_pages[0], PageOutput(3, "failed", 7, "length", 10, 10)]
+    write_document(tmp_path / "fax", "fax", fewer, meta, FORMATS)
+    webps = [p for p in (tmp_path / "fax").iterdir() if p.suffix == ".webp"]
+    assert [p.name for p in webps] == list(fax_pages[0].images)
+
+
+def test_different_source_gets_suffixed_dir(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """Another file landing on an occupied output dir gets ``<stem> (1)``; the first is kept."""
+    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    write_document(tmp_path / "doc", "doc", fax_pages, _metadata(source), FORMATS)
+    original = (tmp_path / "doc" / "doc.md").read_bytes()
+    other = corpus_dir() / "good/scan_book-page_c02-22.pdf"
+    written = write_document(tmp_path / "doc", "doc", _pages(other, 1), _metadata(other), FORMATS)
+    assert {p.parent for p in written} == {tmp_path / "doc (1)"}
+    assert (tmp_path / "doc" / "doc.md").read_bytes() == original
+    claim = json.loads((tmp_path / "doc (1)" / CLAIM_FILE).read_text())
+    assert claim["source_sha256"] == _metadata(other)["source_sha256"]
+    # and the second file written again still goes to its own directory
+    again = write_document(tmp_path / "doc", "doc", _pages(other, 1), _metadata(other), FORMATS)
+    assert {p.parent for p in again} == {tmp_path / "doc (1)"}
+
+
+def test_foreign_dir_is_not_touched(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """A non-empty directory chandrad did not create is left alone; outputs go beside it."""
+    (tmp_path / "fax").mkdir()
+    (tmp_path / "fax" / "fax.md").write_text("operator notes")
+    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    written = write_document(tmp_path / "fax", "fax", fax_pages, _metadata(source), FORMATS)
+    assert written[0].parent == tmp_path / "fax (1)"
+    assert (tmp_path / "fax" / "fax.md").read_text() == "operator notes"
+
+
+def test_clashing_image_names_across_pages(tmp_path: Path) -> None:
+    """Two pages with the same crop name but other pixels keep both images and links."""
+    red, blue = io.BytesIO(), io.BytesIO()
+    Image.new("RGB", (4, 4), "red").save(red, format="WEBP")
+    Image.new("RGB", (4, 4), "blue").save(blue, format="WEBP")
+    pages = [
+        PageOutput(
+            1,
+            "ok",
+            1,
+            None,
+            4,
+            4,
+            "![](x_img.webp)",
+            '<img src="x_img.webp"/>',
+            [],
+            {"x_img.webp": red.getvalue()},
+        ),
+        PageOutput(
+            2,
+            "ok",
+            1,
+            None,
+            4,
+            4,
+            "![](x_img.webp)",
+            '<img src="x_img.webp"/>',
+            [],
+            {"x_img.webp": blue.getvalue()},
+        ),
+    ]
+    write_document(tmp_path / "d", "d", pages, {"source": "d.pdf", "source_sha256": "1"}, FORMATS)
+    assert (tmp_path / "d" / "x_img.webp").read_bytes() == red.getvalue()
+    assert (tmp_path / "d" / "p2_x_img.webp").read_bytes() == blue.getvalue()
+    assert "p2_x_img.webp" in (tmp_path / "d" / "d.html").read_text()
+
+
+def test_atomic_write_replaces_and_reports_errors(tmp_path: Path) -> None:
+    """atomic_write replaces content, leaves no temp file, and raises OutputError on failure."""
+    target = tmp_path / "a.json"
+    atomic_write(target, b"one")
+    atomic_write(target, b"two")
+    assert target.read_bytes() == b"two"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(errors.OutputError, match="cannot write"):
+        atomic_write(tmp_path / "file" / "b.json", b"x")
+
+
+def test_atomic_write_never_shows_a_partial_file(tmp_path: Path) -> None:
+    """A reader polling while another process rewrites the file sees only complete versions."""
+    target = tmp_path / "big.bin"
+    versions = [bytes([i]) * 2_000_000 for i in range(1, 6)]
+    atomic_write(target, versions[0])
+    code = (
+        "import sys; from pathlib import Path; from chandrad.outputs import atomic_write\n"
+        "for i in range(2, 6): atomic_write(Path(sys.argv[1]), bytes([i]) * 2_000_000)\n"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", code, str(target)])
+    while writer.poll() is None:
+        data = target.read_bytes()
+        assert data in versions
+    assert writer.returncode == 0
+    assert target.read_bytes() == versions[-1]
+
+
+def test_move_keeps_name_and_suffixes_on_clash(tmp_path: Path) -> None:
+    """The input keeps its name and relative dir in done/; a clash gets " (1)", never overwrites."""
+    inp, done = tmp_path / "in", tmp_path / "done"
+    (inp / "sub").mkdir(parents=True)
+    for content in (b"first", b"second", b"third"):
+        (inp / "sub" / "scan.pdf").write_bytes(content)
+        move_to(done, inp, inp / "sub" / "scan.pdf")
+    assert (done / "sub" / "scan.pdf").read_bytes() == b"first"
+    assert (done / "sub" / "scan (1).pdf").read_bytes() == b"second"
+    assert (done / "sub" / "scan (2).pdf").read_bytes() == b"third"
+    assert not (inp / "sub" / "scan.pdf").exists()
+
+
+def test_move_completes_an_interrupted_move(tmp_path: Path) -> None:
+    """If a crash left the input hard-linked into done/, the move finishes without a copy."""
+    inp, done = tmp_path / "in", tmp_path / "done"
+    inp.mkdir()
+    done.mkdir()
+    (inp / "a.pdf").write_bytes(b"data")
+    os.link(inp / "a.pdf", done / "a.pdf")
+    assert move_to(done, inp, inp / "a.pdf") == done / "a.pdf"
+    assert sorted(p.name for p in done.iterdir()) == ["a.pdf"]
+    assert not (inp / "a.pdf").exists()
+
+
+def test_move_across_filesystems(tmp_path: Path) -> None:
+    """Moving from another filesystem copies, keeps the bytes, removes the original."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a different filesystem")
+    inp = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        data = (corpus_dir() / "good/scan_skewed_linn.pdf").read_bytes()
+        (inp / "x.pdf").write_bytes(data)
+        (tmp_path / "x.pdf").write_bytes(b"already here")
+        dest = move_to(tmp_path, inp, inp / "x.pdf")
+        assert dest == tmp_path / "x (1).pdf"
+        assert dest.read_bytes() == data
+        assert (tmp_path / "x.pdf").read_bytes() == b"already here"
+        assert not (inp / "x.pdf").exists()
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    finally:
+        shutil.rmtree(inp)
+
+
+def test_move_missing_input_is_output_error(tmp_path: Path) -> None:
+    """Moving a file that vanished raises OutputError naming it."""
+    with pytest.raises(errors.OutputError, match="gone.pdf"):
+        move_to(tmp_path / "done", tmp_path, tmp_path / "gone.pdf")
+
+
+def test_error_json_beside_failed_input(tmp_path: Path) -> None:
+    """<name>.error.json holds code, message, attempts and timestamps."""
+    failed = tmp_path / "bad.pdf"
+    failed.write_bytes(b"x")
+    path = write_error_json(
+        failed, "encrypted_pdf", "needs a password", 1, {"accepted": "2026-01-01T00:00:00Z"}
+    )
+    assert path == tmp_path / "bad.pdf.error.json"
+    body = json.loads(path.read_text())
+    assert body == {
+        "file": "bad.pdf",
+        "code": "encrypted_pdf",
+        "message": "needs a password",
+        "attempts": 1,
+        "timestamps": {"accepted": "2026-01-01T00:00:00Z"},
+    }
