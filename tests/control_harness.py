@@ -30,11 +30,12 @@ class RecordingDaemon:
         self.started = time.monotonic()
         self.jobs: dict[int, dict[str, Any]] = {
             1: {"id": 1, "path": "in/a.pdf", "state": "done", "pages_done": 3, "pages_total": 3,
-                "attempts": 1, "error": None},
+                "attempts": 1, "error_code": None, "error_message": None},
             2: {"id": 2, "path": "in/b.pdf", "state": "failed", "pages_done": 1,
-                "pages_total": 4, "attempts": 6, "error": "corrupt_input: xref broken"},
+                "pages_total": 4, "attempts": 6, "error_code": "corrupt_input",
+                "error_message": "xref broken"},
             3: {"id": 3, "path": "in/c [draft].png", "state": "pending", "pages_done": 0,
-                "pages_total": 1, "attempts": 0, "error": None},
+                "pages_total": 1, "attempts": 0, "error_code": None, "error_message": None},
         }
         self.release = asyncio.Event()  # set to let a waiting drain/reload return
         self.wait_seconds = 10.0
@@ -74,8 +75,11 @@ class RecordingDaemon:
 
     @staticmethod
     def _gpus() -> list[dict[str, Any]]:
-        return [{"index": 0, "name": "NVIDIA H200", "memory_used_bytes": 71 * 1024**3,
-                 "memory_total_bytes": 140 * 1024**3,
+        # The shape of chandrad.gpu.gpu_summary()["gpus"] (bytes, plus rounded GiB).
+        return [{"index": 0, "uuid": "GPU-0b1c", "name": "NVIDIA H200",
+                 "memory_used": 71 * 1024**3, "memory_total": 140 * 1024**3,
+                 "memory_free": 69 * 1024**3, "memory_used_gib": 71.0,
+                 "memory_total_gib": 140.0, "memory_free_gib": 69.0,
                  "processes": [{"pid": 4242, "name": "VLLM::EngineCore",
                                 "used_bytes": 70 * 1024**3}]}]
 

@@ -166,9 +166,15 @@ def queue_blocks(r: dict[str, Any]) -> list[Block]:
             continue
         pages = f"{text(j.get('pages_done', 0))}/{text(j.get('pages_total', '?'))}"
         rows.append((text(_first(j, "id", "job")), text(j.get("state")), pages,
-                     text(j.get("attempts", 0)), text(_first(j, "path", "name")),
-                     text(j.get("error") or "")))
+                     text(j.get("attempts", 0)), text(_first(j, "path", "name")), _job_error(j)))
     return [Block(title, rows, ("job", "state", "pages", "attempts", "file", "error"))]
+
+
+def _job_error(job: dict[str, Any]) -> str:
+    if job.get("error"):
+        return text(job["error"])
+    parts = [text(job[k]) for k in ("error_code", "error_message") if job.get(k)]
+    return ": ".join(parts)
 
 
 def version_blocks(r: dict[str, Any]) -> list[Block]:
