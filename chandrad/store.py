@@ -384,7 +384,10 @@ class Store:
         return [_job(r) for r in rows]
 
     def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[Job]:
-        """Jobs, oldest first, optionally only those in ``state``."""
+        """Jobs, oldest first, optionally only those in ``state``.
+
+        Raises ValueError when ``state`` is not a ``JobState`` value.
+        """
         if state is None:
             rows = self._conn.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs j ORDER BY j.id LIMIT ?", (limit,)

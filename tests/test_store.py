@@ -236,6 +236,8 @@ def test_retry_all_failed_and_cancel(store: Store) -> None:
     assert store.counts()["pending"] == 3
     assert [j.id for j in store.list_jobs("cancelled")] == [ids[2]]
     assert len(store.list_jobs()) == 4
+    with pytest.raises(ValueError):
+        store.list_jobs("finished")
 
 
 def test_pages_done_since(store: Store) -> None:

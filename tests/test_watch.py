@@ -80,21 +80,29 @@ async def running(watches: list[WatchConfig], **kw: Any) -> AsyncIterator[tuple[
         await asyncio.wait_for(task, 5)
 
 
-def _slow_copy(src: Path, dst: Path, chunks: int, pause: float) -> threading.Thread:
-    """Copy ``src`` to ``dst`` in ``chunks`` writes with ``pause`` seconds between them."""
-    data = src.read_bytes()
-    step = len(data) // chunks + 1
+class SlowCopy(threading.Thread):
+    """Copies ``src`` to ``dst`` in ``chunks`` writes, ``pause`` seconds apart."""
 
-    def run() -> None:
-        with open(dst, "wb") as f:
+    def __init__(self, src: Path, dst: Path, chunks: int, pause: float) -> None:
+        super().__init__()
+        self.src, self.dst, self.chunks, self.pause = src, dst, chunks, pause
+        self.last_write = 0.0  # monotonic time of the last write
+
+    def run(self) -> None:
+        data = self.src.read_bytes()
+        step = len(data) // self.chunks + 1
+        with open(self.dst, "wb") as f:
             for i in range(0, len(data), step):
                 f.write(data[i:i + step])
                 f.flush()
-                time.sleep(pause)
+                self.last_write = time.monotonic()
+                time.sleep(self.pause)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+
+def _slow_copy(src: Path, dst: Path, chunks: int, pause: float) -> SlowCopy:
+    writer = SlowCopy(src, dst, chunks, pause)
+    writer.start()
+    return writer
 
 
 def test_ignored_names() -> None:
@@ -169,12 +177,11 @@ def test_slow_writer_is_not_reported_until_it_stops(tmp_path: Path, mode: str) -
         async with running([cfg]) as (_, seen):
             writer = _slow_copy(TIF, cfg.input / "slow.tif", chunks=12, pause=0.15)
             await asyncio.to_thread(writer.join)
-            finished = time.monotonic()
             await seen.wait(lambda: len(seen.items) >= 1)
             await asyncio.sleep(1.0)
             assert seen.names == ["slow.tif"]
             at, settled = seen.items[0]
-            assert at >= finished + 0.4
+            assert at >= writer.last_write + 0.5  # a full quiet period after the last write
             assert settled.size == TIF.stat().st_size
 
     asyncio.run(main())
@@ -182,7 +189,7 @@ def test_slow_writer_is_not_reported_until_it_stops(tmp_path: Path, mode: str) -
 
 def test_pdf_without_trailer_waits_through_long_pauses(tmp_path: Path) -> None:
     """A PDF whose writer pauses longer than settle_seconds is not taken before %%EOF."""
-    cfg = _watch(tmp_path, settle_seconds=0.2)
+    cfg = _watch(tmp_path, settle_seconds=0.3)
     data = PDF.read_bytes()
 
     async def main() -> None:
@@ -190,7 +197,7 @@ def test_pdf_without_trailer_waits_through_long_pauses(tmp_path: Path) -> None:
             target = cfg.input / "scan.pdf"
             with open(target, "wb") as f:
                 f.write(data[: len(data) * 2 // 3])
-            await asyncio.sleep(0.8)  # > settle, < grace (5 × settle, at least 1 s)
+            await asyncio.sleep(0.8)  # > settle (0.3 s), < grace (5 × settle = 1.5 s)
             assert seen.items == []
             with open(target, "ab") as f:
                 f.write(data[len(data) * 2 // 3:])
