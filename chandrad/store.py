@@ -414,17 +414,20 @@ class Store:
 
         Entering ``running`` counts an attempt and stamps ``started_at``; entering a
         finished state stamps ``finished_at``; going back to ``pending`` clears the error.
-        Keyword values that are ``None`` leave the stored value as it is.
+        ``state`` equal to the current state is no transition: only the keyword fields
+        are updated. Keyword values that are ``None`` leave the stored value as it is.
         """
         now = time.time()
         with self._tx() as c:
             old = self._job_state(job_id)
-            if not is_legal(JOB_TRANSITIONS, old, state):
+            if old is not state and not is_legal(JOB_TRANSITIONS, old, state):
                 raise InternalError(f"job {job_id}: illegal transition {old} -> {state}",
                                     job=job_id, old=old.value, new=state.value)
             sets = ["state = ?", "updated_at = ?"]
             args: list[Any] = [state.value, now]
-            if state is JobState.RUNNING:
+            if old is state:
+                pass
+            elif state is JobState.RUNNING:
                 sets += ["attempts = attempts + 1", "started_at = ?", "finished_at = NULL"]
                 args.append(now)
             elif state in JOB_FINISHED:

@@ -140,7 +140,10 @@ def test_job_transitions_are_checked(store: Store) -> None:
     with pytest.raises(InternalError, match="illegal"):
         store.set_job_state(job.id, JobState.DONE)
     assert store.get(job.id).state is JobState.PENDING  # type: ignore[union-attr]
+    store.set_job_state(job.id, JobState.RUNNING)
     store.set_job_state(job.id, JobState.RUNNING, pages_total=3, output_dir=Path("/out/x"))
+    same = store.get(job.id)
+    assert same is not None and same.attempts == 1 and same.pages_total == 3
     store.set_job_state(job.id, JobState.FAILED, error_code="corrupt_input",
                         error_message="bad xref", final_path=Path("/failed/x.pdf"))
     got = store.get(job.id)
