@@ -64,6 +64,9 @@ _COMPONENTS = {"DeviceGray": 1, "CalGray": 1, "Indexed": 1, "DeviceRGB": 3, "Cal
 #: and the pixels are the same; pages only travel over the loopback to the engine.
 PNG_COMPRESS_LEVEL = 1
 _SNIFF_BYTES = 1024
+#: Pillow's own decompression-bomb limit (it raises above twice MAX_IMAGE_PIXELS).
+_MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 0) or 1 << 31
+_EXIF_ORIENTATION = 0x0112
 
 
 @dataclass(frozen=True)
@@ -283,10 +286,17 @@ def _render_image_page(path: Path, index: int, min_side_px: int, max_pixels: int
             raise InputError(f"{path.name}: page {index + 1} does not exist ({pages} pages)")
         try:
             img.seek(index)
+            if img.width * img.height > _MAX_IMAGE_PIXELS:  # Pillow checks frame 1 only
+                raise DecompressionBomb(
+                    f"{path.name}: page {index + 1} is {img.width}x{img.height} pixels, "
+                    f"more than the limit of {_MAX_IMAGE_PIXELS}"
+                )
+            turned = img.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8)
+            shown = (img.height, img.width) if turned else img.size
+            width, height = fit_size(shown[0], shown[1], min_side_px, max_pixels)
+            if img.format == "JPEG":  # let libjpeg decode at 1/2, 1/4 or 1/8 when that suffices
+                img.draft("RGB", (height, width) if turned else (width, height))
             oriented = ImageOps.exif_transpose(img)
-            width, height = fit_size(oriented.width, oriented.height, min_side_px, max_pixels)
-            if img.format == "JPEG" and oriented is img:
-                img.draft("RGB", (width, height))  # let libjpeg decode at 1/2, 1/4, 1/8
             rgb = _to_rgb(oriented)
         except Image.DecompressionBombError as exc:
             raise DecompressionBomb(f"{path.name}: refused as a decompression bomb: {exc}") from exc
