@@ -412,4 +412,5 @@ async def _serve(config: Config) -> int:
 
 def run(config: Config) -> int:
     """Entry for ``chandrad run``; ``cli.py`` maps exceptions to exit codes."""
+    configure_logging(config.daemon.log_format, config.daemon.log_level)
     return asyncio.run(_serve(config))
