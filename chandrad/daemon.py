@@ -266,6 +266,15 @@ class Daemon:
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + exc.message) from exc
+        problems = []
+        if new.engine != self.config.engine and new.engine.supervised:
+            problems = await self.engine.check_flags(new.engine)
+        if problems:
+            log.error("config_reload_refused", problems=[str(p) for p in problems])
+            self._set_state(previous, "reload refused")
+            self.notifier.ready(self.status_line())
+            raise ControlError("invalid_state", "new config refused, old one kept:\n"
+                               + "\n".join(str(p) for p in problems))
         if new.daemon != self.config.daemon:
             configure_logging(new.daemon.log_format, new.daemon.log_level)
         restart = await self.engine.reconfigure(new.engine, new.ocr)

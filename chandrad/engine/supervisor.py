@@ -31,10 +31,10 @@ import structlog
 from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
 from chandrad.engine.client import EngineClient
-from chandrad.engine.command import build_engine_command
+from chandrad.engine.command import build_engine_command, validate_in_child
 from chandrad.engine.process import EngineProcess, kill_session
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
-from chandrad.errors import EngineUnavailable, InternalError
+from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
 from chandrad.states import ENGINE_TRANSITIONS, EngineState
 
 log = structlog.get_logger("chandrad.engine")
@@ -148,6 +148,7 @@ class EngineSupervisor:
         self._backoff_delay = 0.0
         self.fatal_reason = ""
         self.metrics: dict[str, float] = {}
+        self._flags_checked: EngineConfig | None = None
         self._load_learned()
 
     # ------------------------------------------------------------ read side (EngineHandle)
@@ -252,8 +253,20 @@ class EngineSupervisor:
             await self._client.close()
             self._client = EngineClient(engine.base_url, api_key=engine.api_key,
                                         timeout=ocr.request_timeout)
+        self._flags_checked = None
         self.request("restart")
         return True
+
+    async def check_flags(self, engine: EngineConfig) -> list[ConfigProblem]:
+        """Validate the engine flags with the installed vLLM's own parser, in a child
+        process (the daemon never imports vLLM)."""
+        profile = initial_profile(engine.memory, self._gpu_total())
+        t0 = time.monotonic()
+        problems = await asyncio.to_thread(validate_in_child, engine, profile,
+                                           engine.python or None)
+        log.info("engine_flags_checked", problems=[str(p) for p in problems],
+                 seconds=round(time.monotonic() - t0, 1))
+        return problems
 
     # ------------------------------------------------------------ the machine
     def _transition(self, new: EngineState, reason: str, **evidence: Any) -> None:
@@ -321,6 +334,12 @@ class EngineSupervisor:
             self._gen = _Generation(process=None)
             self._transition(EngineState.STARTING, reason, url=self.engine.base_url)
             return
+        if self._flags_checked != self.engine:
+            problems = await self.check_flags(self.engine)
+            if problems:
+                # SPEC §3.3: caught before the GPU is touched; the daemon exits 78.
+                raise ConfigError(problems)
+            self._flags_checked = self.engine
         command = build_engine_command(self.engine, self.profile, base_env=self.base_env,
                                        python=self.engine.python or None)
         gen = _Generation(process=None)
