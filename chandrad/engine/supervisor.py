@@ -334,6 +334,9 @@ class EngineSupervisor:
             self._gen = _Generation(process=None)
             self._transition(EngineState.STARTING, reason, url=self.engine.base_url)
             return
+        gen = _Generation(process=None)
+        self._gen = gen
+        self._transition(EngineState.STARTING, reason, profile=self.profile.to_dict())
         if self._flags_checked != self.engine:
             problems = await self.check_flags(self.engine)
             if problems:
@@ -342,12 +345,10 @@ class EngineSupervisor:
             self._flags_checked = self.engine
         command = build_engine_command(self.engine, self.profile, base_env=self.base_env,
                                        python=self.engine.python or None)
-        gen = _Generation(process=None)
         process = EngineProcess(command.argv, command.env, self._line_sink(gen))
         gen.process = process
-        self._gen = gen
-        self._transition(EngineState.STARTING, reason, argv=" ".join(command.argv),
-                         profile=self.profile.to_dict())
+        gen.started_at = time.monotonic()
+        log.info("engine_command", argv=" ".join(command.argv))
         try:
             await process.start()
         except OSError as exc:
