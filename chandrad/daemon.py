@@ -21,12 +21,12 @@ import structlog
 
 from chandrad import PROTOCOL_VERSION, __version__
 from chandrad import gpu as nvml
-from chandrad.config import Config, load_config
+from chandrad.config import Config, key_line, load_config
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
 from chandrad.engine.profile import GpuFacts
 from chandrad.engine.supervisor import EngineSupervisor, installed_vllm_version
-from chandrad.errors import ConfigError, ControlError, ExitCode
+from chandrad.errors import ConfigError, ConfigProblem, ControlError, ExitCode
 from chandrad.logs import configure_logging
 from chandrad.pipeline import Pipeline
 from chandrad.render import RenderPool
@@ -40,6 +40,13 @@ log = structlog.get_logger("chandrad.daemon")
 TICK = 1.0
 #: While draining, each tick asks systemd for this much more stop time.
 DRAIN_EXTEND_S = 30.0
+
+
+def key_line_of(cfg: Config, dotted: str) -> int | None:
+    try:
+        return key_line(cfg.path.read_text(encoding="utf-8"), dotted)
+    except OSError:
+        return None
 
 
 class NvmlProbe:
@@ -136,10 +143,8 @@ class Daemon:
         for sig, name in ((signal.SIGTERM, "shutdown"), (signal.SIGINT, "shutdown"),
                           (signal.SIGHUP, "reload")):
             loop.add_signal_handler(sig, self._commands.put_nowait, _Command(name))
-        self.store = Store.open(cfg.daemon.state_dir)
-        for w in cfg.watch:
-            for folder in (w.input, w.output, w.done, w.failed):
-                folder.mkdir(parents=True, exist_ok=True)
+        self.store = self._open_store(cfg)
+        self._make_watch_folders(cfg)
         self.engine = EngineSupervisor(cfg.engine, cfg.ocr, gpu=NvmlProbe(), profiles=self.store,
                                        on_change=self._on_engine_change,
                                        session_file=cfg.daemon.state_dir / "engine.session")
@@ -160,6 +165,32 @@ class Daemon:
         self.notifier.ready(self.status_line())
         log.info("daemon_started", version=__version__, pid=os.getpid(),
                  socket=str(cfg.control_socket()), watches=len(cfg.watch))
+
+    @staticmethod
+    def _open_store(cfg: Config) -> Store:
+        try:
+            return Store.open(cfg.daemon.state_dir)
+        except OSError as exc:
+            raise ConfigError([ConfigProblem(
+                "daemon.state_dir", f"cannot open the store in {cfg.daemon.state_dir}: "
+                f"{exc.strerror or exc}", str(cfg.path), key_line_of(cfg, "daemon.state_dir"),
+                "config_state_dir")]) from exc
+
+    @staticmethod
+    def _make_watch_folders(cfg: Config) -> None:
+        problems = []
+        for i, w in enumerate(cfg.watch):
+            for name in ("input", "output", "done", "failed"):
+                folder = getattr(w, name)
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    key = f"watch[{i}].{name}"
+                    problems.append(ConfigProblem(
+                        key, f"cannot create {folder}: {exc.strerror or exc}", str(cfg.path),
+                        key_line_of(cfg, key), "config_watch_folder"))
+        if problems:
+            raise ConfigError(problems)
 
     def _on_settled(self, settled: SettledFile) -> None:
         if self.pipeline is not None and self.state in (DaemonState.RUNNING, DaemonState.PAUSED,

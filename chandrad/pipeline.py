@@ -28,9 +28,9 @@ import structlog
 
 from chandrad import ocr, outputs
 from chandrad.config import Config, WatchConfig
-from chandrad.errors import EngineUnavailable, InputError
+from chandrad.errors import EngineUnavailable, InputError, RenderCrashed, RenderTimeout
 from chandrad.interfaces import EngineHandle
-from chandrad.render import RenderPool
+from chandrad.render import RenderedPage, RenderPool
 from chandrad.states import JobState, PageState
 from chandrad.store import Job, Store
 
@@ -236,8 +236,7 @@ class Pipeline:
         await self._window.acquire()
         try:
             await self.dispatching.wait()
-            page = await self.render.render(job.abs_path, index, self.config.ocr.min_side_px,
-                                            self.engine.max_pixels)
+            page = await self._render(job, index)
             outcome = await self._infer(job, index, page.png, page.width, page.height)
             if not outcome.ok:
                 self.store.fail_page(job.id, index, outcome.error or "failed")
@@ -248,6 +247,16 @@ class Pipeline:
             log.warning("page_failed", job=job.id, page=index + 1, error=exc.message)
         finally:
             await self._window.release()
+
+    async def _render(self, job: Job, index: int) -> RenderedPage:
+        """Render one page; a crashed or hung worker takes its pool-mates down with it,
+        so a page that failed that way gets one more try before it counts."""
+        args = (job.abs_path, index, self.config.ocr.min_side_px, self.engine.max_pixels)
+        try:
+            return await self.render.render(*args)
+        except (RenderCrashed, RenderTimeout) as exc:
+            log.warning("page_render_retry", job=job.id, page=index + 1, error=exc.message)
+            return await self.render.render(*args)
 
     async def _infer(self, job: Job, index: int, png: bytes, width: int,
                      height: int) -> _PageOutcome:
