@@ -127,6 +127,9 @@ def test_ready_chat_then_kill9_restarts_without_orphans(
         assert not survivors, {p: process_name(p) for p in survivors}
         assert sup.restarts == 1 and sup.pid != api_pid
         assert sup.last_failure is not None
+        # A kill -9 with no kernel OOM kill recorded is not host_oom: same profile.
+        assert str(sup.last_failure.cls) == "other_fatal", sup.last_failure
+        assert sup.profile == sup.configured_profile
         reply = await sup.chat(chat_body())
         assert reply["choices"]
 

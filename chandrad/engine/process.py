@@ -44,6 +44,20 @@ def session_members(sid: int, proc: Path = Path("/proc")) -> set[int]:
     return members
 
 
+def oom_kill_count(vmstat: Path = Path("/proc/vmstat")) -> int | None:
+    """The kernel's count of OOM-killer kills since boot (``oom_kill`` in /proc/vmstat,
+    Linux ≥ 4.13), or ``None`` where it cannot be read. A SIGKILL of the engine with this
+    counter unchanged was somebody's ``kill -9``, not the host running out of RAM."""
+    try:
+        for line in vmstat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def process_name(pid: int) -> str:
     """The process title (``VLLM::EngineCore`` etc.) or ``""`` if it is gone."""
     try:

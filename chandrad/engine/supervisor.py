@@ -32,7 +32,7 @@ from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
 from chandrad.engine.client import EngineClient
 from chandrad.engine.command import build_engine_command, validate_in_child
-from chandrad.engine.process import EngineProcess, kill_session
+from chandrad.engine.process import EngineProcess, kill_session, oom_kill_count
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
 from chandrad.states import ENGINE_TRANSITIONS, EngineState
@@ -96,6 +96,7 @@ class _Generation:
     early_at: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
+    oom_kills_at_start: int | None = field(default_factory=oom_kill_count)
 
 
 def installed_vllm_version() -> str:
@@ -391,6 +392,16 @@ class EngineSupervisor:
         verdict = gen.scanner.finish(exit_code, was_ready)
         if verdict.cls is FailureClass.NONE and gen.early is not None:
             return gen.early
+        if verdict.cls is FailureClass.HOST_OOM and verdict.subclass == "sigkill":
+            now = oom_kill_count()
+            if now is not None and gen.oom_kills_at_start is not None \
+                    and now == gen.oom_kills_at_start:
+                # SIGKILL without a kernel OOM kill: an operator or another program.
+                return Diagnosis(
+                    cls=FailureClass.OTHER_FATAL,
+                    evidence=f"{verdict.evidence} (the kernel recorded no OOM kill)",
+                    numbers=verdict.numbers, action="restart with backoff, same profile",
+                    restartable=True, subclass="killed")
         return verdict
 
     async def _handle_command(self, command: str) -> bool:
