@@ -1,0 +1,331 @@
+"""The real daemon as systemd sees it: notify protocol, journal fields, exit codes,
+permission tiers, and staying up with the engine fatal.
+
+systemd cannot run as PID 1 here, so the tests bind the sockets systemd would
+(``$NOTIFY_SOCKET``, the journal socket) and read what the real `chandrad run` sends.
+Most daemons here use ``engine.url`` (a remote engine nobody listens for) so that no
+engine has to load; the fatal test uses a supervised engine with a model that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chandrad.errors import ExitCode
+
+
+def write_config(root: Path, engine: str, socket_path: Path) -> Path:
+    config = root / "chandrad.toml"
+    config.write_text(f"""
+[daemon]
+state_dir = "{root / 'state'}"
+log_format = "auto"
+
+[[watch]]
+input = "{root / 'inbox'}"
+output = "{root / 'output'}"
+done = "{root / 'done'}"
+failed = "{root / 'failed'}"
+
+[engine]
+{engine}
+
+[control]
+socket = "{socket_path}"
+""")
+    return config
+
+
+class Datagrams:
+    """A datagram socket bound where systemd would listen; collects what arrives."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.received: list[bytes] = []
+
+    def pump(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                self.received.append(self.sock.recv(1 << 20))
+            except TimeoutError:
+                pass
+
+    def wait_for(self, predicate: Callable[[bytes], bool], timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for msg in self.received[seen:]:
+                if predicate(msg):
+                    return msg
+            seen = len(self.received)
+            self.pump(0.2)
+        raise AssertionError(f"not received within {timeout}s; got {self.received[-10:]}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def journal_fields(datagram: bytes) -> dict[str, str]:
+    """Parse the native journal protocol (KEY=value lines; binary-safe length form)."""
+    fields: dict[str, str] = {}
+    data = datagram
+    while data:
+        line, sep, rest = data.partition(b"\n")
+        if b"=" in line:
+            key, _, value = line.partition(b"=")
+            fields[key.decode()] = value.decode(errors="replace")
+            data = rest
+        else:
+            size = int.from_bytes(rest[:8], "little")
+            fields[line.decode()] = rest[8:8 + size].decode(errors="replace")
+            data = rest[8 + size + 1:]
+        if not sep:
+            break
+    return fields
+
+
+@pytest.fixture
+def service_root(tmp_path: Path) -> Path:
+    """A fresh folder per test (AF_UNIX paths must stay under 108 bytes)."""
+    assert len(str(tmp_path / "notify.sock")) < 108
+    return tmp_path
+
+
+def start(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")}
+
+
+def test_notify_ready_status_watchdog_reload_stop(
+    service_root: Path, free_port: Callable[[], int]
+) -> None:
+    """READY=1 (with STATUS=) once up; WATCHDOG=1 pings while the loop runs; SIGHUP →
+    RELOADING=1 + MONOTONIC_USEC … READY=1; SIGTERM → STOPPING=1 and exit 0."""
+    notify = Datagrams(service_root / "notify.sock")
+    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"',
+                          service_root / "ctl.sock")
+    env = base_env() | {"NOTIFY_SOCKET": str(service_root / "notify.sock"),
+                        "WATCHDOG_USEC": "1000000"}
+    proc = start(config, env, service_root / "daemon.log")
+    try:
+        ready = notify.wait_for(lambda m: b"READY=1" in m, 60)
+        assert b"STATUS=" in ready
+        notify.pump(2.5)
+        pings = [m for m in notify.received if m == b"WATCHDOG=1"]
+        assert len(pings) >= 3, notify.received
+        proc.send_signal(signal.SIGHUP)
+        reloading = notify.wait_for(lambda m: b"RELOADING=1" in m, 30)
+        assert b"MONOTONIC_USEC=" in reloading
+        index = notify.received.index(reloading)
+        notify.wait_for(lambda m: b"READY=1" in m and notify.received.index(m) > index, 30)
+        proc.send_signal(signal.SIGTERM)
+        notify.wait_for(lambda m: b"STOPPING=1" in m, 30)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+    statuses = [m for m in notify.received if m.startswith(b"STATUS=")]
+    assert statuses, "no STATUS= updates"
+
+
+def test_stopped_daemon_stops_watchdog_pings(
+    service_root: Path, free_port: Callable[[], int]
+) -> None:
+    """A main loop that makes no progress (here: the process stopped) sends no WATCHDOG=1,
+    so systemd's WatchdogSec fires."""
+    notify = Datagrams(service_root / "notify.sock")
+    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"',
+                          service_root / "ctl.sock")
+    env = base_env() | {"NOTIFY_SOCKET": str(service_root / "notify.sock"),
+                        "WATCHDOG_USEC": "600000"}
+    proc = start(config, env, service_root / "daemon.log")
+    try:
+        notify.wait_for(lambda m: b"READY=1" in m, 60)
+        notify.pump(1.5)
+        assert b"WATCHDOG=1" in notify.received
+        os.kill(proc.pid, signal.SIGSTOP)
+        notify.pump(0.5)  # a ping already in flight may still land
+        mark = len(notify.received)
+        notify.pump(2.0)
+        assert b"WATCHDOG=1" not in notify.received[mark:]
+        os.kill(proc.pid, signal.SIGCONT)
+        notify.pump(2.0)
+        assert b"WATCHDOG=1" in notify.received[mark:]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        notify.close()
+
+
+def test_journal_native_fields_from_the_real_daemon(
+    service_root: Path, free_port: Callable[[], int]
+) -> None:
+    """Under journald (JOURNAL_STREAM set) events go over the journal socket with
+    MESSAGE, PRIORITY, SYSLOG_IDENTIFIER=chandrad, MESSAGE_ID and CHANDRA_EVENT."""
+    journal = Datagrams(service_root / "journal.sock")
+    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"',
+                          service_root / "ctl.sock")
+    log = service_root / "daemon.log"
+    with log.open("wb") as fh:
+        st = os.fstat(fh.fileno())
+        env = base_env() | {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}",
+                            "CHANDRAD_JOURNAL_SOCKET": str(service_root / "journal.sock")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+            stdout=fh, stderr=fh, stdin=subprocess.DEVNULL, env=env)
+    try:
+        started = journal.wait_for(lambda m: b"CHANDRA_EVENT=daemon_started" in m, 60)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+    fields = journal_fields(started)
+    assert fields["SYSLOG_IDENTIFIER"] == "chandrad"
+    assert fields["PRIORITY"] == "6"
+    assert len(fields["MESSAGE_ID"]) == 32
+    assert fields["MESSAGE"]
+    assert "CODE_FILE" in fields
+    journal.pump(0.5)
+    events = {journal_fields(m).get("CHANDRA_EVENT") for m in journal.received}
+    assert {"daemon_state", "engine_state", "daemon_stopped"} <= events
+    journal.close()
+
+
+def test_bad_config_exits_78_naming_the_key(service_root: Path) -> None:
+    """`chandrad run` with an invalid config exits 78 and names key and line."""
+    config = service_root / "bad.toml"
+    config.write_text('[[watch]]\ninput = "in"\n\n[engine.memory]\nswap_space = 4\n')
+    result = subprocess.run([sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == ExitCode.CONFIG
+    assert f"{config}:5: engine.memory.swap_space" in result.stderr
+    assert "preemption" in result.stderr or "recompute" in result.stderr
+
+
+def test_unusable_state_dir_exits_78(service_root: Path, free_port: Callable[[], int]) -> None:
+    """A state_dir that cannot be created is a config error naming daemon.state_dir."""
+    (service_root / "file").write_text("not a directory")
+    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"',
+                          service_root / "ctl.sock")
+    text = config.read_text().replace(str(service_root / "state"),
+                                      str(service_root / "file" / "state"))
+    config.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+    assert "daemon.state_dir" in result.stderr
+
+
+def ctl(sock: Path, *args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
+    prefix: list[str] = []
+    if user is not None:
+        prefix = ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups"]
+    return subprocess.run([*prefix, sys.executable, "-m", "chandrad.ctl.main", "--socket",
+                           str(sock), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_second_uid_is_forbidden_and_stale_socket_is_replaced(
+    tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]
+) -> None:
+    """A user outside the socket's group gets 'forbidden' (exit 4); a stale socket file
+    left by a crashed daemon is replaced at the next start."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the client as a second uid")
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody'")
+    root = Path("/tmp") / f"chandrad-perm-{os.getpid()}"
+    root.mkdir(mode=0o755)
+    sock_dir = root / "run"
+    sock_dir.mkdir(mode=0o755)
+    sock_path = sock_dir / "ctl.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock_path))
+    stale.close()  # a socket file with no listener: what a kill -9 leaves
+    config = write_config(root, f'url = "http://127.0.0.1:{free_port()}"', sock_path)
+    proc = start(config, base_env(), root / "daemon.log")
+    try:
+        deadline = time.monotonic() + 60
+        while ctl(sock_path, "status", "--json").returncode != 0:
+            assert time.monotonic() < deadline, (root / "daemon.log").read_text()
+            time.sleep(0.3)
+        as_root = ctl(sock_path, "pause", "--json")
+        assert as_root.returncode == 0, as_root.stderr
+        denied = ctl(sock_path, "resume", user="nobody")
+        if "Permission denied" in denied.stderr and "python" in denied.stderr.lower():
+            pytest.skip("user nobody cannot run this interpreter")
+        assert denied.returncode == 4, denied.stdout + denied.stderr
+        assert "forbidden" in (denied.stdout + denied.stderr).lower() \
+            or "permission" in (denied.stdout + denied.stderr).lower()
+        status: dict[str, Any] = json.loads(ctl(sock_path, "status", "--json").stdout)
+        assert status["daemon"]["state"] == "paused"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+@pytest.mark.engine
+def test_engine_fatal_daemon_stays_up_and_says_so(
+    service_root: Path, free_port: Callable[[], int]
+) -> None:
+    """A model that does not exist: the engine goes fatal, the daemon stays up, keeps
+    accepting files, status answers, and STATUS= tells the operator what to do."""
+    notify = Datagrams(service_root / "notify.sock")
+    engine = (f'model = "{service_root / "no-such-model"}"\nport = {free_port()}\n'
+              'env = { VLLM_CPU_KVCACHE_SPACE = "1" }\nstartup_timeout = 300')
+    config = write_config(service_root, engine, service_root / "ctl.sock")
+    env = base_env() | {"NOTIFY_SOCKET": str(service_root / "notify.sock")}
+    proc = start(config, env, service_root / "daemon.log")
+    try:
+        fatal_status = notify.wait_for(lambda m: b"ENGINE FATAL" in m, 240)
+        assert b"engine restart" in fatal_status
+        status = json.loads(ctl(service_root / "ctl.sock", "status", "--json").stdout)
+        assert status["engine"]["state"] == "fatal"
+        assert status["engine"]["last_failure"]["class"] == "other_fatal"
+        assert status["engine"]["restarts"] == 0
+        (service_root / "inbox" / "queued.png").write_bytes(_png())
+        deadline = time.monotonic() + 30
+        while True:
+            queue = json.loads(ctl(service_root / "ctl.sock", "queue", "--json").stdout)
+            if any(j["path"].endswith("queued.png") for j in queue["jobs"]):
+                break
+            assert time.monotonic() < deadline, "file not accepted while the engine is fatal"
+            time.sleep(0.5)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        assert proc.wait(120) == 0
+        notify.close()
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), "white").save(buf, format="PNG")
+    return buf.getvalue()
