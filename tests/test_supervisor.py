@@ -144,6 +144,8 @@ def test_kv_cache_too_small_downshifts_learns_and_reuses(
     profile_change → ready; the stable profile is saved and used at the next start."""
     store = Store.open(tmp_path / "state")
     cfg = engine_config(tiny_model_dir, free_port(), kv_cache_memory_bytes=1_000_000)
+    # On the CPU backend VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes.
+    cfg = replace(cfg, env={"OMP_NUM_THREADS": "2"})
     seen: dict[str, Any] = {}
 
     async def first(sup: EngineSupervisor) -> None:
