@@ -191,6 +191,8 @@ def test_real_cpu_engine_logs(path: Path) -> None:
         pytest.skip(f"no expectation known for {path.name}")
     d = classify(path.read_text(errors="replace"))
     assert d.cls is expected, d
+    if "bad_model" in path.name:
+        assert d.subclass == "model_not_found" and not d.restartable, d
     if expected is FailureClass.KV_CACHE_INSUFFICIENT and "estimated maximum" in path.read_text():
         assert d.numbers["estimated_max_model_len"] > 0
 

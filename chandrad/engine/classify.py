@@ -338,7 +338,11 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
             r"|Cannot access gated repo|GatedRepoError|RepositoryNotFoundError"
             r"|(?:401|403|404) Client Error.*(?:huggingface|hf\.co)"
             r"|No such file or directory: .*config\.json|Can't load the configuration of"
-            r"|model .* (?:does not exist|not found)",
+            r"|model .* (?:does not exist|not found)"
+            # A local path that does not exist is taken for a hub id and rejected:
+            r"|Repo id must be in the form|HFValidationError"
+            # HF_HUB_OFFLINE=1 (chandrad's default) and the weights are not in the cache:
+            r"|LocalEntryNotFoundError|outgoing traffic has been disabled",
             _I,
         ),
         "model_not_found",
