@@ -217,14 +217,23 @@ class Daemon:
                         return
                     continue
                 if command.name == "reload":
-                    result = await self._reload()
-                    if command.done is not None and not command.done.done():
-                        command.done.set_result(result)
+                    await self._reload_command(command)
             self._check_drained()
             line = self.status_line()
             if line != last_status:
                 last_status = line
                 self.notifier.status(line)
+
+    async def _reload_command(self, command: _Command) -> None:
+        """Run a reload; a refused one leaves the daemon running on the old config."""
+        try:
+            result = await self._reload()
+        except ControlError as exc:
+            if command.done is not None and not command.done.done():
+                command.done.set_exception(exc)
+            return
+        if command.done is not None and not command.done.done():
+            command.done.set_result(result)
 
     async def _drain_then_stop(self) -> bool:
         """SIGTERM: stop taking files, finish what is in flight, then stop (SPEC §7)."""
