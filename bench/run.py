@@ -361,12 +361,19 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     t_end = run.query("SELECT max(finished_at) FROM jobs WHERE id > ?", (after_job,))[0][0]
     seconds = (t_end or time.time()) - t0
     pages_done = int(pages_row[1] or 0)
+    # Page time from claim (request sent) to stored result, summed: over the wall time
+    # it is the mean number of pages the daemon had at the engine (or post-processing).
+    busy, first_sent = run.query(
+        "SELECT sum(p.finished_at - p.started_at), min(p.started_at) FROM pages p "
+        "JOIN jobs j ON j.id = p.job_id WHERE j.id > ? AND p.state = 'done'", (after_job,))[0]
     result: dict[str, Any] = {
         "files": len(docs), "jobs_finished": finished, "job_states": states,
         "pages": int(pages_row[0] or 0), "pages_done": pages_done,
         "pages_failed": int(pages_row[2] or 0), "seconds": round(seconds, 3),
         "pages_per_s": rate(pages_done, seconds),
         "complete": finished >= len(docs),
+        "mean_pages_in_flight": round((busy or 0.0) / seconds, 2) if seconds > 0 else None,
+        "drop_to_first_request_s": round(first_sent - t0, 3) if first_sent else None,
         "engine_cpu_s_per_page": round(engine_cpu / max(1, pages_done), 3),
         "daemon_cpu_s_per_page": round(daemon_cpu / max(1, pages_done), 3),
         "rss_peak_mb": rss_mb(run.pid, "VmHWM"),
@@ -375,10 +382,14 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     # Idle: nothing queued, the render pool alive; the bench does not poll meanwhile.
     time.sleep(3.0)
     cpu0, w0 = _proc.cpu_seconds(run.pid), time.monotonic()
+    engine0 = _proc.session_cpu_seconds(engine_sid)
     time.sleep(idle_window)
     cpu1, w1 = _proc.cpu_seconds(run.pid), time.monotonic()
+    engine1 = _proc.session_cpu_seconds(engine_sid)
     if cpu0 is not None and cpu1 is not None:
         result["idle_cpu_percent"] = round(100 * (cpu1 - cpu0) / (w1 - w0), 3)
+    # Not a chandrad figure: what the idle engine burns on the shared cores.
+    result["engine_idle_cpu_percent"] = round(100 * (engine1 - engine0) / (w1 - w0), 1)
     result["idle_window_s"] = round(w1 - w0, 1)
     result["rss_idle_mb"] = rss_mb(run.pid)
     result["render_workers_rss_idle_mb"] = round(
@@ -579,6 +590,8 @@ def table(res: dict[str, Any]) -> str:
         f"{c.get('engine_cpu_s_per_page')}, {eng_cli.get('engine_cpu_s_per_page')}")
     add("CPU s/page: chandrad (daemon+workers) | CLI",
         f"{c.get('daemon_cpu_s_per_page')} | {eng_cli.get('cli_cpu_s_per_page')}")
+    add("chandrad mean pages in flight | engine idle CPU",
+        f"{c.get('mean_pages_in_flight')} | {c.get('engine_idle_cpu_percent')} %")
     add("load average (1 min) by phase", res.get("loadavg"))
     bl = res.get("backlog", {})
     add(f"backlog {bl.get('files')} files queued (target < 10 s)", bl.get("seconds"), " s")
