@@ -427,13 +427,15 @@ class Daemon:
         if not wait:
             self._commands.put_nowait(_Command("reload"))
             return {"queued": True}
+        assert self.engine is not None
+        generation = self.engine.generation
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._commands.put_nowait(_Command("reload", fut))
         result = await fut
-        assert self.engine is not None
         if result.get("engine_restart"):
-            # --wait: return once the new engine settings are in effect (ready or given up).
-            while self.engine.state not in (EngineState.READY, EngineState.FATAL):
+            # --wait: return once an engine with the new settings is ready (or gave up).
+            while (self.engine.generation == generation
+                   or self.engine.state not in (EngineState.READY, EngineState.FATAL)):
                 await asyncio.sleep(0.5)
             result["engine_state"] = self.engine.state.value
         return result

@@ -150,6 +150,7 @@ class EngineSupervisor:
         self.fatal_reason = ""
         self.metrics: dict[str, float] = {}
         self._flags_checked: EngineConfig | None = None
+        self.generation = 0  # bumped at every spawn: lets a waiter see "a new engine"
         self._load_learned()
 
     # ------------------------------------------------------------ read side (EngineHandle)
@@ -331,6 +332,7 @@ class EngineSupervisor:
 
     async def _spawn(self, reason: str) -> None:
         self._stable = False
+        self.generation += 1
         if not self.engine.supervised:
             self._gen = _Generation(process=None)
             self._transition(EngineState.STARTING, reason, url=self.engine.base_url)
