@@ -10,39 +10,57 @@ here is the retry temperature schedule, which is inline in ``generate_vllm``.
 
 from __future__ import annotations
 
+import ast
 import base64
 import contextlib
-import inspect
+import functools
+import importlib.util
 import io
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from chandra.model.util import detect_repeat_token, scale_to_fit
-from chandra.model.vllm import generate_vllm
-from chandra.output import extract_images, parse_chunks, parse_html, parse_markdown
 from chandra.prompts import PROMPT_MAPPING
-from chandra.settings import settings as chandra_settings
-from PIL import Image
 
 from chandrad.errors import InputError
 
-_VLLM_DEFAULTS = inspect.signature(generate_vllm).parameters
-#: First-attempt sampling of Chandra's vLLM client (temperature 0.0, top_p 0.1).
-FIRST_TEMPERATURE: float = float(_VLLM_DEFAULTS["temperature"].default)
-FIRST_TOP_P: float = float(_VLLM_DEFAULTS["top_p"].default)
+if TYPE_CHECKING:
+    from PIL import Image
+
+# chandra.model (it imports openai) and chandra.output (bs4, markdownify) cost ~85 MB
+# resident; they are imported inside the functions below, which the daemon runs in its
+# render worker processes (RenderPool.postprocess), not in the daemon process itself.
+
 #: Retry schedule, from ``generate_vllm.process_item`` in chandra-ocr 0.2.0:
 #: ``temperature = min(temperature + 0.2 * (retries + 1), 0.8)`` with ``top_p=0.95``.
 RETRY_TEMPERATURE_STEP = 0.2
 RETRY_TEMPERATURE_MAX = 0.8
 RETRY_TOP_P = 0.95
-#: Chandra's defaults: 12384 output tokens, 6 retries, bboxes normalised to 0..1000.
-DEFAULT_MAX_OUTPUT_TOKENS: int = chandra_settings.MAX_OUTPUT_TOKENS
-DEFAULT_RETRIES: int = chandra_settings.MAX_VLLM_RETRIES
-BBOX_SCALE: int = chandra_settings.BBOX_SCALE
 #: Chandra's own ``scale_to_fit`` defaults, which its vLLM client applies to every page.
 _CHANDRA_MAX_SIZE = (3072, 2048)
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@functools.cache
+def first_sampling() -> tuple[float, float]:
+    """(temperature, top_p) of Chandra's first try: the defaults of ``generate_vllm``.
+
+    Read from the installed chandra-ocr source with ``ast`` rather than by importing
+    ``chandra.model.vllm``, which would load openai into the daemon.
+    """
+    spec = importlib.util.find_spec("chandra")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("chandra-ocr is not installed")
+    source = Path(spec.origin).with_name("model") / "vllm.py"
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "generate_vllm":
+            args = node.args.args[-len(node.args.defaults):] if node.args.defaults else []
+            defaults = dict(zip((a.arg for a in args), node.args.defaults, strict=True))
+            return (float(ast.literal_eval(defaults["temperature"])),
+                    float(ast.literal_eval(defaults["top_p"])))
+    raise RuntimeError(f"generate_vllm not found in {source}")
 
 
 @dataclass
@@ -65,6 +83,9 @@ def _png_size(png: bytes) -> tuple[int, int]:
 
 def _as_sent(page_png: bytes) -> bytes:
     """The PNG Chandra's client would send: ``scale_to_fit`` applied if it changes anything."""
+    from chandra.model.util import scale_to_fit
+    from PIL import Image
+
     image = Image.open(io.BytesIO(page_png))
     fitted = scale_to_fit(image, max_size=_CHANDRA_MAX_SIZE)
     if fitted is image:
@@ -82,12 +103,14 @@ def build_chat_request(
     max_output_tokens: int,
     temperature: float,
     top_p: float,
+    fitted: bool = False,
 ) -> dict[str, Any]:
     """The OpenAI chat-completions body for one page, as ``chandra.model.vllm`` builds it.
 
     One user message, image first (PNG data URL) then the prompt, no system prompt.
-    Pages from :mod:`chandrad.render` already have the size ``scale_to_fit`` wants, so
-    they are sent byte for byte; any other PNG is resized by Chandra's rule first.
+    Pages from :mod:`chandrad.render` already have the size ``scale_to_fit`` wants
+    (``fitted=True``) and are sent byte for byte; any other PNG is resized by Chandra's
+    rule first.
     """
     try:
         prompt = PROMPT_MAPPING[prompt_type]
@@ -95,7 +118,7 @@ def build_chat_request(
         known = ", ".join(sorted(PROMPT_MAPPING))
         raise InputError(f"unknown prompt type {prompt_type!r} (known: {known})") from None
     _png_size(page_png)
-    image_b64 = base64.b64encode(_as_sent(page_png)).decode("ascii")
+    image_b64 = base64.b64encode(page_png if fitted else _as_sent(page_png)).decode("ascii")
     return {
         "model": model,
         "messages": [
@@ -120,9 +143,11 @@ def sampling_for_attempt(attempt: int) -> tuple[float, float]:
     """(temperature, top_p) for ``attempt`` (0 = first try, 1 = first retry, ...)."""
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
+    first_temperature, first_top_p = first_sampling()
     if attempt == 0:
-        return FIRST_TEMPERATURE, FIRST_TOP_P
-    temperature = min(FIRST_TEMPERATURE + RETRY_TEMPERATURE_STEP * attempt, RETRY_TEMPERATURE_MAX)
+        return first_temperature, first_top_p
+    temperature = min(first_temperature + RETRY_TEMPERATURE_STEP * attempt,
+                      RETRY_TEMPERATURE_MAX)
     return round(temperature, 6), RETRY_TOP_P
 
 
@@ -133,6 +158,8 @@ def retry_reason(text: str, finish_reason: str | None) -> str | None:
     once the last 50 characters are cut off. ``finish_reason == "length"`` (the answer
     hit ``max_tokens``) is chandrad's addition; Chandra does not check it.
     """
+    from chandra.model.util import detect_repeat_token
+
     if detect_repeat_token(text) or (len(text) > 50 and detect_repeat_token(text, cut_from_end=50)):
         return "repetition"
     if finish_reason == "length":
@@ -163,6 +190,10 @@ def parse_page(
     Never raises on bad model output: each conversion that fails leaves its part empty
     and adds a note. ``bbox`` values are in the pixels of ``page_png``.
     """
+    from chandra.output import extract_images, parse_chunks, parse_html, parse_markdown
+    from chandra.settings import settings as chandra_settings
+    from PIL import Image
+
     notes: list[str] = []
     chandra_said = io.StringIO()  # chandra.output prints its complaints to stdout
     markdown = html = ""
@@ -189,7 +220,7 @@ def parse_page(
         except Exception as exc:  # chandra.output on arbitrary model text
             notes.append(f"html/markdown conversion failed: {exc!r}")
         try:
-            chunks = list(parse_chunks(raw_html, page, bbox_scale=BBOX_SCALE))
+            chunks = list(parse_chunks(raw_html, page, bbox_scale=chandra_settings.BBOX_SCALE))
         except Exception as exc:
             notes.append(f"layout parsing failed: {exc!r}")
         if include_images and chunks:
@@ -204,3 +235,19 @@ def parse_page(
         for c in chunks
     ]
     return PageResult(markdown=markdown, html=html, blocks=blocks, images=images, notes=notes)
+
+
+def postprocess(
+    text: str,
+    finish_reason: str | None,
+    page_png: bytes,
+    *,
+    include_images: bool,
+    include_headers_footers: bool,
+) -> PageResult | str:
+    """One answer → the retry reason (``str``) or the parsed page. Runs in a worker."""
+    reason = retry_reason(text, finish_reason)
+    if reason is not None:
+        return reason
+    return parse_page(text, page_png, include_images=include_images,
+                      include_headers_footers=include_headers_footers)

@@ -274,7 +274,7 @@ class Pipeline:
             body = ocr.build_chat_request(
                 png, model=self.engine.served_model_name, prompt_type=cfg.prompt_type,
                 max_output_tokens=self.engine.max_output_tokens, temperature=temperature,
-                top_p=top_p)
+                top_p=top_p, fitted=True)
             await self._inflight.acquire()
             self.store.claim_page(job.id, index)
             t0 = time.monotonic()
@@ -291,12 +291,12 @@ class Pipeline:
             finally:
                 await self._inflight.release()
             text, finish = _reply_text(reply)
-            reason = ocr.retry_reason(text, finish)
+            outcome = await self.render.postprocess(
+                text, finish, png, include_images=cfg.include_images,
+                include_headers_footers=cfg.include_headers_footers)
             attempt += 1
-            if reason is None:
-                result = await asyncio.to_thread(
-                    ocr.parse_page, text, png, include_images=cfg.include_images,
-                    include_headers_footers=cfg.include_headers_footers)
+            if isinstance(outcome, ocr.PageResult):
+                result = outcome
                 saved = self._save_images(job, index, result.images)
                 self.store.finish_page(
                     job.id, index, width=width, height=height,
@@ -304,7 +304,7 @@ class Pipeline:
                     result={"markdown": result.markdown, "html": result.html,
                             "blocks": result.blocks, "images": saved, "attempts": attempt})
                 return _PageOutcome(True)
-            last_error = f"{reason} after {attempt} attempt(s)"
+            last_error = f"{outcome} after {attempt} attempt(s)"
             if attempt <= cfg.retries:
                 self.store.release_page(job.id, index)
         return _PageOutcome(False, f"retries exhausted: {last_error}")

@@ -26,6 +26,8 @@ The page PNG is therefore exactly what Chandra's vLLM client would send (it call
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import io
 import multiprocessing
 import os
@@ -33,13 +35,17 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pymupdf
-from chandra.model.util import scale_to_fit
-from chandra.settings import settings as chandra_settings
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+if TYPE_CHECKING:
+    import pymupdf
+
+# PyMuPDF (~130 MB resident) and chandra.model (~55 MB, it pulls in openai) are imported
+# inside the functions that run in the worker processes, never in the daemon itself.
+
+from chandrad import ocr
 from chandrad.errors import (
     DecompressionBomb,
     EmptyInput,
@@ -114,6 +120,8 @@ def fit_size(width: float, height: float, min_side_px: int, max_pixels: int) -> 
     scale = max(1.0, min_side_px / min(width, height))
     w = max(1, int(width * scale))
     h = max(1, int(height * scale))
+    from chandra.model.util import scale_to_fit
+
     result = scale_to_fit(_SizeProbe(w, h), max_size=(max_pixels, 1))
     if isinstance(result, _SizeProbe):  # unchanged: already on the grid and in budget
         return result.size
@@ -139,6 +147,8 @@ def _is_pdf(head: bytes) -> bool:
 
 
 def _open_pdf(path: Path) -> pymupdf.Document:
+    import pymupdf
+
     try:
         doc = pymupdf.open(path, filetype="pdf")
     except pymupdf.EmptyFileError as exc:
@@ -236,11 +246,16 @@ def _encode_png(img: Image.Image) -> bytes:
 
 def _final(index: int, img: Image.Image, max_pixels: int) -> RenderedPage:
     # A no-op when the size is already what scale_to_fit wants (the normal case).
+    from chandra.model.util import scale_to_fit
+
     img = scale_to_fit(img, max_size=(max_pixels, 1))
     return RenderedPage(index=index, png=_encode_png(img), width=img.width, height=img.height)
 
 
 def _render_pdf_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
+    import pymupdf
+    from chandra.settings import settings as chandra_settings
+
     doc = _open_pdf(path)
     try:
         if not 0 <= index < doc.page_count:
@@ -320,7 +335,23 @@ def render_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> Re
     return _render_image_page(path, index, min_side_px, max_pixels)
 
 
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this worker when the daemon dies (Linux
+    PR_SET_PDEATHSIG), so a daemon killed with -9 leaves no render workers behind."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 def _worker_init() -> None:
+    import pymupdf
+
+    _die_with_parent()
+
     # Quiet MuPDF's stderr chatter about repaired xrefs; errors still raise.
     pymupdf.TOOLS.mupdf_display_errors(False)
     pymupdf.TOOLS.mupdf_display_warnings(False)
@@ -380,6 +411,18 @@ class RenderPool:
             what, render_page, path, index, min_side_px, max_pixels
         )
         return page
+
+    async def postprocess(
+        self, text: str, finish_reason: str | None, page_png: bytes, *,
+        include_images: bool, include_headers_footers: bool,
+    ) -> ocr.PageResult | str:
+        """``ocr.postprocess`` in a worker: chandra.output stays out of the daemon."""
+        result: ocr.PageResult | str = await self._run(
+            "post-processing", functools.partial(
+                ocr.postprocess, include_images=include_images,
+                include_headers_footers=include_headers_footers),
+            text, finish_reason, page_png)
+        return result
 
     async def probe(self, path: Path, max_pages: int) -> DocumentInfo:
         """Probe a file in a worker process."""
