@@ -37,6 +37,10 @@ from chandrad.store import Job, Store
 log = structlog.get_logger("chandrad.pipeline")
 
 READ_CHUNK = 1 << 20
+#: Settled files hashed and accepted per store transaction.
+INTAKE_BATCH = 2000
+
+_Settled = tuple[int, Path, Path, int, float]  # watch index, root, path, size, mtime
 
 
 def sha256_file(path: Path) -> str:
@@ -45,6 +49,17 @@ def sha256_file(path: Path) -> str:
         while chunk := fh.read(READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _hash_all(items: list[_Settled]) -> list[tuple[_Settled, str | None]]:
+    out: list[tuple[_Settled, str | None]] = []
+    for item in items:
+        try:
+            out.append((item, sha256_file(item[2])))
+        except OSError as exc:
+            log.warning("accept_skipped", file=str(item[2]), reason=str(exc))
+            out.append((item, None))
+    return out
 
 
 class DynamicLimiter:
@@ -95,7 +110,8 @@ class Pipeline:
         self._window = DynamicLimiter(lambda: self._request_limit() + 2 * self.workers)
         self._active: dict[int, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
-        self._accepting_tasks: set[asyncio.Task[None]] = set()
+        self._intake: list[_Settled] = []
+        self._intake_ready = asyncio.Event()
         self.started_at = time.time()
 
     def _request_limit(self) -> int:
@@ -105,35 +121,53 @@ class Pipeline:
 
     # ------------------------------------------------------------ intake
     def submit(self, watch_index: int, root: Path, path: Path, size: int, mtime: float) -> None:
-        """A settled file from the watcher; accepted into the store in the background."""
+        """A settled file from the watcher; accepted into the store by the intake loop."""
         if not self.accepting:
             return
-        task = asyncio.create_task(self._accept(watch_index, root, path, size, mtime))
-        self._accepting_tasks.add(task)
-        task.add_done_callback(self._accepting_tasks.discard)
+        self._intake.append((watch_index, root, path, size, mtime))
+        self._intake_ready.set()
 
-    async def _accept(self, watch_index: int, root: Path, path: Path, size: int,
-                      mtime: float) -> None:
-        if self.store.find_active(path) is not None:
-            return
-        try:
-            digest = await asyncio.to_thread(sha256_file, path)
-        except OSError as exc:
-            log.warning("accept_skipped", file=str(path), reason=str(exc))
-            return
-        watch = self.config.watch[watch_index]
-        job = self.store.accept(watch_index, root, path, size, mtime, digest,
-                                duplicates=watch.duplicates)
-        if job is None:
-            if watch.duplicates == "skip" and path.exists():
-                log.info("duplicate_skipped", file=str(path), sha256=digest)
-            return
-        log.info("job_accepted", job=job.id, file=str(path), size=size, sha256=digest)
+    async def _intake_loop(self) -> None:
+        """Hash and accept settled files in batches: one transaction (one fsync) per batch,
+        so a backlog of thousands of files is queued in seconds."""
+        while True:
+            await self._intake_ready.wait()
+            self._intake_ready.clear()
+            while self._intake:
+                batch = self._intake[:INTAKE_BATCH]
+                del self._intake[:INTAKE_BATCH]
+                fresh = [item for item in batch if self.store.find_active(item[2]) is None]
+                hashed = await asyncio.to_thread(_hash_all, fresh)
+                self._accept_batch(hashed)
+
+    def _accept_batch(self, hashed: list[tuple[_Settled, str | None]]) -> None:
+        by_policy: dict[str, list[tuple[int, Path, Path, int, float, str]]] = {}
+        for (index, root, path, size, mtime), digest in hashed:
+            if digest is None:
+                continue  # vanished or unreadable; a later event or rescan brings it back
+            policy = self.config.watch[index].duplicates
+            by_policy.setdefault(policy, []).append((index, root, path, size, mtime, digest))
+        for policy, items in by_policy.items():
+            jobs = self.store.accept_many(items, policy)
+            for job in jobs:
+                log.info("job_accepted", job=job.id, file=str(job.abs_path), size=job.size,
+                         sha256=job.sha256)
+            skipped = len(items) - len(jobs)
+            if skipped and policy == "skip":
+                log.info("duplicates_skipped", count=skipped)
         self._wake.set()
 
     # ------------------------------------------------------------ dispatch
     async def run(self) -> None:
-        """Start jobs oldest first (resumed RUNNING jobs before PENDING ones), forever."""
+        """Accept settled files and start jobs oldest first (resumed RUNNING jobs before
+        PENDING ones), until cancelled."""
+        intake = asyncio.create_task(self._intake_loop(), name="intake")
+        try:
+            await self._dispatch_loop()
+        finally:
+            intake.cancel()
+
+    async def _dispatch_loop(self) -> None:
         while True:
             await self.dispatching.wait()
             self._start_jobs()
@@ -174,7 +208,7 @@ class Pipeline:
     def idle(self) -> bool:
         """No accepted work left (used by drain)."""
         counts = self.store.counts()
-        return (not self._active and not self._accepting_tasks
+        return (not self._active and not self._intake
                 and counts.get("pending", 0) == 0 and counts.get("active", 0) == 0)
 
     async def cancel_job(self, job_id: int) -> bool:
