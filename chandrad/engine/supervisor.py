@@ -417,18 +417,24 @@ class EngineSupervisor:
             self._commands.put_nowait("shutdown")  # let the idle loop exit
         return True
 
+    async def _generation_ended(self, gen: _Generation, *, was_ready: bool) -> bool:
+        """Handle a queued command or the engine's exit; True if this generation is over."""
+        command = self._drain_command()
+        if command and await self._handle_command(command):
+            return True
+        process = gen.process
+        if process is not None and process.returncode is not None:
+            code = await process.wait()
+            self._fail(self._verdict(gen, code, was_ready=was_ready), exit_code=code)
+            return True
+        return False
+
     async def _starting(self) -> None:
         gen = self._gen
         assert gen is not None
         deadline = gen.started_at + self.engine.startup_timeout
         while True:
-            command = self._drain_command()
-            if command and await self._handle_command(command):
-                return
-            process = gen.process
-            if process is not None and process.returncode is not None:
-                code = await process.wait()
-                self._fail(self._verdict(gen, code, was_ready=False), exit_code=code)
+            if await self._generation_ended(gen, was_ready=False):
                 return
             if await self._client.is_ready(self.engine.served_model_name):
                 gen.ready_at = time.monotonic()
@@ -478,13 +484,7 @@ class EngineSupervisor:
         next_health = time.monotonic() + HEALTH_INTERVAL
         next_metrics = 0.0
         while True:
-            command = self._drain_command()
-            if command and await self._handle_command(command):
-                return
-            process = gen.process
-            if process is not None and process.returncode is not None:
-                code = await process.wait()
-                self._fail(self._verdict(gen, code, was_ready=True), exit_code=code)
+            if await self._generation_ended(gen, was_ready=True):
                 return
             now = time.monotonic()
             if not self._stable and now - gen.ready_at >= self.engine.stable_seconds:
