@@ -147,7 +147,8 @@ class Daemon:
         self._make_watch_folders(cfg)
         self.engine = EngineSupervisor(cfg.engine, cfg.ocr, gpu=NvmlProbe(), profiles=self.store,
                                        on_change=self._on_engine_change,
-                                       session_file=cfg.daemon.state_dir / "engine.session")
+                                       session_file=cfg.daemon.state_dir / "engine.session",
+                                       backlog=self._has_backlog)
         self.render = RenderPool(cfg.ocr.render_workers)
         self.pipeline = Pipeline(cfg, self.store, self.engine, self.render)
         self.control = ControlServer(cfg.control_socket(), Handlers(self), mode=cfg.control.mode,
@@ -191,6 +192,10 @@ class Daemon:
                         key_line_of(cfg, key), "config_watch_folder"))
         if problems:
             raise ConfigError(problems)
+
+    def _has_backlog(self) -> bool:
+        counts = self.store.counts() if self.store else {}
+        return counts.get("pending", 0) + counts.get("active", 0) > 0
 
     def _on_settled(self, settled: SettledFile) -> None:
         if self.pipeline is not None and self.state in (DaemonState.RUNNING, DaemonState.PAUSED,

@@ -59,9 +59,10 @@ async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> 
 
 
 async def with_supervisor(
-    cfg: EngineConfig, store: Store | None, body: Callable[[EngineSupervisor], Awaitable[None]]
+    cfg: EngineConfig, store: Store | None, body: Callable[[EngineSupervisor], Awaitable[None]],
+    backlog: Callable[[], bool] | None = None,
 ) -> None:
-    sup = EngineSupervisor(cfg, OCR, gpu=NvmlProbe(), profiles=store)
+    sup = EngineSupervisor(cfg, OCR, gpu=NvmlProbe(), profiles=store, backlog=backlog)
     task = asyncio.create_task(sup.run())
     try:
         await body(sup)
@@ -141,11 +142,14 @@ def test_kv_cache_too_small_downshifts_learns_and_reuses(
     tiny_model_dir: Path, free_port: Callable[[], int], tmp_path: Path
 ) -> None:
     """kv_cache_memory_bytes too small for max_model_len → kv_cache_insufficient →
-    profile_change → ready; the stable profile is saved and used at the next start."""
+    profile_change → ready; stable with a backlog → an upshift probe one step back up
+    fails the same way → reverted and pinned → ready; the stable profile is saved and
+    used at the next start."""
     store = Store.open(tmp_path / "state")
     cfg = engine_config(tiny_model_dir, free_port(), kv_cache_memory_bytes=1_000_000)
     # On the CPU backend VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes.
-    cfg = replace(cfg, env={"OMP_NUM_THREADS": "2"})
+    cfg = replace(cfg, env={"OMP_NUM_THREADS": "2"},
+                  downshift=replace(cfg.downshift, upshift_after=1.0))
     seen: dict[str, Any] = {}
 
     async def first(sup: EngineSupervisor) -> None:
@@ -154,14 +158,23 @@ def test_kv_cache_too_small_downshifts_learns_and_reuses(
         assert sup.last_failure is not None
         assert str(sup.last_failure.cls) == "kv_cache_insufficient"
         assert sup.profile_changes, "no profile_change recorded"
-        seen["changes"] = [c.to_dict() for c in sup.profile_changes]
-        seen["profile"] = sup.profile
-        assert sup.profile != sup.configured_profile
-        await wait_for(lambda: sup._stable, 30, "stable")
+        downshifted = sup.profile
+        assert downshifted != sup.configured_profile
+        assert downshifted.kv_cache_memory_bytes is not None
+        assert downshifted.kv_cache_memory_bytes > 1_000_000
         reply = await sup.chat(chat_body())
         assert reply["choices"]
+        # Upshift: the probe goes back to the 1 MB profile, fails, reverts and pins.
+        await wait_for(lambda: sup.upshift_pinned, START_TIMEOUT * 2, "upshift probe failed")
+        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready again")
+        classes = [c.failure for c in sup.profile_changes]
+        assert classes == ["kv_cache_insufficient", "upshift", "kv_cache_insufficient"], classes
+        assert sup.profile == downshifted
+        await wait_for(lambda: sup._stable, 30, "stable")
+        seen["changes"] = [c.to_dict() for c in sup.profile_changes]
+        seen["profile"] = sup.profile
 
-    asyncio.run(with_supervisor(cfg, store, first))
+    asyncio.run(with_supervisor(cfg, store, first, backlog=lambda: True))
     key_profile = seen["profile"]
 
     async def second(sup: EngineSupervisor) -> None:

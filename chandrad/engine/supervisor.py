@@ -120,6 +120,7 @@ class EngineSupervisor:
         base_env: Mapping[str, str] | None = None,
         on_change: Callable[[EngineState, str], None] | None = None,
         session_file: Path | None = None,
+        backlog: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.session_file = session_file
@@ -151,6 +152,12 @@ class EngineSupervisor:
         self.metrics: dict[str, float] = {}
         self._flags_checked: EngineConfig | None = None
         self.generation = 0  # bumped at every spawn: lets a waiter see "a new engine"
+        self.backlog = backlog or (lambda: False)
+        # Upshift (SPEC §4.3): the profiles before each downshift step, newest last; the
+        # profile to fall back to while probing one step up; pinned after a failed probe.
+        self._steps_down: list[MemoryProfile] = []
+        self._upshift_fallback: MemoryProfile | None = None
+        self.upshift_pinned = False
         self._load_learned()
 
     # ------------------------------------------------------------ read side (EngineHandle)
@@ -250,6 +257,9 @@ class EngineSupervisor:
         self.configured_profile = initial_profile(engine.memory, self._gpu_total())
         self.profile = self.configured_profile
         self.profile_source = "config"
+        self._steps_down = []
+        self._upshift_fallback = None
+        self.upshift_pinned = False
         self._load_learned()
         if engine.base_url != old_url:
             await self._client.close()
@@ -489,6 +499,9 @@ class EngineSupervisor:
             now = time.monotonic()
             if not self._stable and now - gen.ready_at >= self.engine.stable_seconds:
                 self._become_stable()
+            if self._should_upshift(gen, now):
+                await self._upshift()
+                return
             if now >= next_metrics:
                 self.metrics = await self._client.metrics()
                 next_metrics = now + METRICS_INTERVAL
@@ -506,7 +519,41 @@ class EngineSupervisor:
                     return
             await self._pause(1.0 if failed_probes == 0 else 0.5)
 
+    def _should_upshift(self, gen: _Generation, now: float) -> bool:
+        assert gen.ready_at is not None
+        return (self._stable and bool(self._steps_down) and not self.upshift_pinned
+                and self.engine.downshift.enabled
+                and now - gen.ready_at >= self.engine.downshift.upshift_after
+                and self.backlog())
+
+    async def _upshift(self) -> None:
+        """Stable for upshift_after with work waiting: try the profile one step up."""
+        self._upshift_fallback = self.profile
+        self._change_profile(
+            self._steps_down.pop(), "upshift",
+            f"stable for {self.engine.downshift.upshift_after:g}s with a backlog: probing "
+            "one step back up", source="upshift")
+        await self._stop_generation("upshift probe")
+        await self._spawn("upshift probe")
+
+    def _change_profile(self, new: MemoryProfile, failure: str, reason: str, *,
+                        degraded: bool = False, source: str = "downshift") -> None:
+        """Switch to ``new`` and record it as one ``profile_change`` event."""
+        changes = new.changes_from(self.profile)
+        if not changes:
+            return
+        self.profile_changes.append(ProfileChange(time.time(), reason, failure, changes,
+                                                  degraded))
+        log.warning("profile_change", reason=reason, **{"class": failure},
+                    old={k: o for k, (o, _) in changes.items()},
+                    new={k: n for k, (_, n) in changes.items()}, degraded=degraded)
+        self.profile = new
+        self.profile_source = source
+
     def _become_stable(self) -> None:
+        if self._upshift_fallback is not None:
+            log.info("profile_upshift_kept", profile=self.profile.to_dict())
+            self._upshift_fallback = None
         self._stable = True
         self._restart_times.clear()
         self._seen_classes.clear()
@@ -536,7 +583,13 @@ class EngineSupervisor:
                           f"{self.engine.downshift.window:g}s (max_restarts="
                           f"{self.engine.downshift.max_restarts})")
             return
-        if self.engine.downshift.enabled and not self._apply_ladder(diag):
+        if self._upshift_fallback is not None:
+            # The probe one step up failed: back to what worked, and stay there.
+            fallback, self._upshift_fallback = self._upshift_fallback, None
+            self.upshift_pinned = True
+            self._change_profile(fallback, str(diag.cls),
+                                 f"upshift probe failed ({diag.cls}): reverted and pinned")
+        elif self.engine.downshift.enabled and not self._apply_ladder(diag):
             return
         self._seen_classes.add(str(diag.cls))
         self._enter_backoff()
@@ -551,17 +604,10 @@ class EngineSupervisor:
         if decision.profile is None:
             self._give_up(decision.reason)
             return False
-        changes = decision.profile.changes_from(self.profile)
-        if changes:
-            change = ProfileChange(time.time(), decision.reason, str(diag.cls), changes,
-                                   decision.degraded)
-            self.profile_changes.append(change)
-            log.warning("profile_change", reason=decision.reason, **{"class": str(diag.cls)},
-                        old={k: o for k, (o, _) in changes.items()},
-                        new={k: n for k, (_, n) in changes.items()},
-                        degraded=decision.degraded)
-            self.profile = decision.profile
-            self.profile_source = "downshift"
+        if decision.profile != self.profile:
+            self._steps_down.append(self.profile)
+            self._change_profile(decision.profile, str(diag.cls), decision.reason,
+                                 degraded=decision.degraded)
         return True
 
     def _give_up(self, reason: str) -> None:
@@ -670,4 +716,6 @@ class EngineSupervisor:
         if data:
             self.profile = MemoryProfile.from_dict(data)
             self.profile_source = "learned"
+            if self.profile != self.configured_profile:
+                self._steps_down = [self.configured_profile]
             log.info("profile_learned_loaded", key=key, profile=data)
