@@ -56,10 +56,11 @@ class DaemonUnderTest:
         )
         self.starts.append(time.monotonic())
 
-    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def ctl(self, *args: str, check: bool = True,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
             [sys.executable, "-m", "chandrad.ctl.main", "--socket", str(self.socket), *args],
-            capture_output=True, text=True, timeout=60)
+            capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise AssertionError(f"chandractl {args} -> {result.returncode}: "
                                  f"{result.stdout}{result.stderr}")
@@ -360,7 +361,7 @@ def test_reload_with_engine_change_restarts_engine_with_new_settings(
     before = daemon.ctl_json("status")["engine"]
     original = daemon.config.read_text()
     daemon.config.write_text(original.replace("max_num_seqs = 16", "max_num_seqs = 12"))
-    result = json.loads(daemon.ctl("reload", "--wait", "--json").stdout)
+    result = json.loads(daemon.ctl("reload", "--wait", "--json", timeout=READY_TIMEOUT).stdout)
     assert result["engine_restart"] is True and result["engine_state"] == "ready"
     after = daemon.ctl_json("status")["engine"]
     assert after["profile"]["max_num_seqs"] == 12
@@ -476,7 +477,7 @@ def test_drain_finishes_accepted_work_and_refuses_new(
     while not any(Path(j["path"]).name == name for j in daemon.jobs()):
         assert time.monotonic() < deadline, "not accepted"
         time.sleep(0.2)
-    result = json.loads(daemon.ctl("drain", "--wait", "--json").stdout)
+    result = json.loads(daemon.ctl("drain", "--wait", "--json", timeout=JOB_TIMEOUT).stdout)
     assert result["state"] == "drained"
     assert (daemon.done / name).exists()
     late = drop(corpus_dir / "good/image_hi-devanagari.png", daemon.inbox, "after-drain.png")
