@@ -112,7 +112,7 @@ class Pipeline:
         self._wake = asyncio.Event()
         self._intake: list[_Settled] = []
         self._intake_ready = asyncio.Event()
-        self.started_at = time.time()
+        self._intake_busy = False  # a batch is being hashed/accepted
 
     def _request_limit(self) -> int:
         if self.config.ocr.max_in_flight:
@@ -136,9 +136,14 @@ class Pipeline:
             while self._intake:
                 batch = self._intake[:INTAKE_BATCH]
                 del self._intake[:INTAKE_BATCH]
-                fresh = [item for item in batch if self.store.find_active(item[2]) is None]
-                hashed = await asyncio.to_thread(_hash_all, fresh)
-                self._accept_batch(hashed)
+                self._intake_busy = True
+                try:
+                    fresh = [item for item in batch
+                             if self.store.find_active(item[2]) is None]
+                    hashed = await asyncio.to_thread(_hash_all, fresh)
+                    self._accept_batch(hashed)
+                finally:
+                    self._intake_busy = False
 
     def _accept_batch(self, hashed: list[tuple[_Settled, str | None]]) -> None:
         by_policy: dict[str, list[tuple[int, Path, Path, int, float, str]]] = {}
@@ -208,7 +213,7 @@ class Pipeline:
     def idle(self) -> bool:
         """No accepted work left (used by drain)."""
         counts = self.store.counts()
-        return (not self._active and not self._intake
+        return (not self._active and not self._intake and not self._intake_busy
                 and counts.get("pending", 0) == 0 and counts.get("active", 0) == 0)
 
     async def cancel_job(self, job_id: int) -> bool:
