@@ -139,7 +139,6 @@ def next_profile(
     max_pixels: int,
     max_output_tokens: int,
     gpu: GpuFacts | None = None,
-    seen_before: bool = False,
 ) -> Decision:
     """One step down the ladder of SPEC §4.3 for failure class ``failure``.
 
@@ -151,8 +150,6 @@ def next_profile(
         max_pixels, max_output_tokens: the configured page budget (used unless the
             profile already lowered it).
         gpu: NVML facts, when there is a GPU.
-        seen_before: the same class already happened with this profile lineage
-            (fragmentation that recurs is treated as a runtime OOM).
     """
     pixels = profile.max_pixels or max_pixels
     out_tokens = profile.max_output_tokens or max_output_tokens

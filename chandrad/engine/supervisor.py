@@ -139,7 +139,6 @@ class EngineSupervisor:
         self.last_failure_at: float | None = None
         self.restarts = 0
         self._restart_times: deque[float] = deque()
-        self._seen_classes: set[str] = set()
         self._gen: _Generation | None = None
         self._client = EngineClient(engine.base_url, api_key=engine.api_key,
                                     timeout=ocr.request_timeout)
@@ -484,8 +483,6 @@ class EngineSupervisor:
             await asyncio.wait({waiter}, timeout=seconds)
         finally:
             waiter.cancel()
-        if not self._commands.empty():
-            return
 
     async def _ready(self) -> None:
         gen = self._gen
@@ -556,7 +553,6 @@ class EngineSupervisor:
             self._upshift_fallback = None
         self._stable = True
         self._restart_times.clear()
-        self._seen_classes.clear()
         key = self.learned_key()
         if self.profiles is not None and key:
             self.profiles.save_learned_profile(key, self.profile.to_dict())
@@ -591,7 +587,6 @@ class EngineSupervisor:
                                  f"upshift probe failed ({diag.cls}): reverted and pinned")
         elif self.engine.downshift.enabled and not self._apply_ladder(diag):
             return
-        self._seen_classes.add(str(diag.cls))
         self._enter_backoff()
 
     def _apply_ladder(self, diag: Diagnosis) -> bool:
@@ -599,7 +594,7 @@ class EngineSupervisor:
         decision = next_profile(
             self.profile, str(diag.cls), diag.numbers, self.engine.downshift,
             max_pixels=self.ocr.max_pixels, max_output_tokens=self.ocr.max_output_tokens,
-            gpu=self.gpu.facts(), seen_before=str(diag.cls) in self._seen_classes,
+            gpu=self.gpu.facts(),
         )
         if decision.profile is None:
             self._give_up(decision.reason)
