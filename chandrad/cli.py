@@ -16,10 +16,12 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -60,8 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         "check-config": _check_config,
         "check-flags": _check_flags,
     }
+    checking = args.command in ("check-config", "check-flags")
+    if checking and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _exit_on_interrupt)
+    status = _dispatch(handlers[args.command], args)
+    if checking:
+        _exit_skipping_teardown(status)
+    return status
+
+
+def _dispatch(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
-        return int(handlers[args.command](args))
+        return int(handler(args))
     except KeyboardInterrupt:
         return errors.ExitCode.OK
     except errors.ConfigError as exc:
@@ -73,6 +85,36 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         _log.critical("internal error: chandrad %s stopped", args.command, exc_info=True)
         return errors.ExitCode.SOFTWARE
+
+
+def _exit_on_interrupt(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C during a check: exit 0 at once, whatever vLLM's import was doing.
+
+    A KeyboardInterrupt raised inside that import is sometimes swallowed by the
+    libraries it runs through and resurfaces as an unrelated import error (seen:
+    "module 'numpy' has no attribute 'ndarray'", "maximum recursion depth"), which
+    would be reported as a config problem (exit 78).
+    """
+    del signum, frame
+    _exit_skipping_teardown(errors.ExitCode.OK)
+
+
+def _exit_skipping_teardown(status: int) -> None:
+    """End a check that imports vLLM (and torch) without the interpreter's teardown.
+
+    A Ctrl-C that lands while torch's import runs code through ``PyRun_String``
+    makes CPython 3.11 mark the KeyboardInterrupt "unhandled" even though
+    :func:`_dispatch` catches it, and the normal exit then kills the process with
+    SIGINT (status -2, no traceback; seen in CI and reproduced under load). The
+    teardown also takes 2–3 s with SIGINT back at its default action. The checks
+    only print, so nothing of chandrad's needs finalizing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
 
 
 def _print_problems(problems: Sequence[errors.ConfigProblem]) -> None:
