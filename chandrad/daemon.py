@@ -26,7 +26,7 @@ from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
 from chandrad.engine.profile import GpuFacts
 from chandrad.engine.supervisor import EngineSupervisor, installed_vllm_version
-from chandrad.errors import ConfigError, ConfigProblem, ControlError, ExitCode
+from chandrad.errors import ConfigError, ConfigProblem, ControlError, ExitCode, StateDirInUse
 from chandrad.logs import configure_logging
 from chandrad.pipeline import Pipeline
 from chandrad.render import RenderPool
@@ -171,6 +171,10 @@ class Daemon:
     def _open_store(cfg: Config) -> Store:
         try:
             return Store.open(cfg.daemon.state_dir)
+        except StateDirInUse as exc:
+            raise ConfigError([ConfigProblem(
+                "daemon.state_dir", exc.message, str(cfg.path),
+                key_line_of(cfg, "daemon.state_dir"), exc.code)]) from exc
         except OSError as exc:
             raise ConfigError([ConfigProblem(
                 "daemon.state_dir", f"cannot open the store in {cfg.daemon.state_dir}: "

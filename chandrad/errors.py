@@ -83,6 +83,17 @@ class ConfigError(ChandradError):
         )
 
 
+class StateDirInUse(ChandradError):
+    """Another live chandrad holds the state directory's lock.
+
+    Two daemons on one store would each take the other's in-flight pages back
+    for recomputation, so the second refuses to start.
+    """
+
+    code = "state_dir_in_use"
+    exit_code = ExitCode.CONFIG
+
+
 class EngineGaveUp(ChandradError):
     """The engine is fatal and the config says the daemon should exit."""
 

@@ -3,6 +3,9 @@
 Owns ``<state_dir>/chandrad.sqlite3``, the source of truth for what was accepted,
 what is done and what failed. Every public method is one short transaction, so a
 ``kill -9`` at any instant leaves either the old or the new state, never a mix.
+One daemon per state directory: :meth:`Store.open` takes an exclusive ``flock`` on
+``<state_dir>/chandrad.lock`` (released by the kernel when the process dies, even
+by ``kill -9``) before it touches the database.
 Recovery happens in :meth:`Store.open`: pages left ``in_flight`` go back to
 ``pending`` (their result never reached the store, so they must be recomputed);
 ``running`` jobs stay ``running`` and are resumed at page granularity.
@@ -16,7 +19,10 @@ Must not import any other chandrad adapter or service (only ``errors``, ``states
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chandrad.errors import InternalError
+from chandrad.errors import InternalError, StateDirInUse
 from chandrad.states import (
     JOB_ACTIVE,
     JOB_FINISHED,
@@ -37,6 +43,7 @@ from chandrad.states import (
 )
 
 DB_NAME = "chandrad.sqlite3"
+LOCK_NAME = "chandrad.lock"
 DUPLICATE_POLICIES = ("process", "skip")
 
 #: Schema migrations by version; version N is reached by running MIGRATIONS[N - 1].
@@ -191,11 +198,32 @@ class Recovered:
     jobs_running: int = 0
 
 
+def _lock_state_dir(lock_path: Path) -> int:
+    """Take ``lock_path``'s exclusive flock and write our pid in it; the open fd holds it."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        who = f"chandrad (pid {holder})" if holder.isdigit() else "chandrad"
+        raise StateDirInUse(
+            f"another {who} is using {lock_path.parent}; stop it first, or give this "
+            "daemon its own daemon.state_dir", path=str(lock_path.parent),
+            pid=int(holder) if holder.isdigit() else None) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return fd
+
+
 class Store:
     """The SQLite store. Build with :meth:`open`; use from one thread."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path, lock_fd: int | None = None) -> None:
         self._conn = conn
+        self._lock_fd = lock_fd
         self.path = path
         self.recovered = Recovered()
 
@@ -203,9 +231,22 @@ class Store:
 
     @classmethod
     def open(cls, state_dir: Path) -> Store:
-        """Open (creating if needed) the store in ``state_dir`` and recover from a crash."""
+        """Open (creating if needed) the store in ``state_dir`` and recover from a crash.
+
+        Raises:
+            StateDirInUse: another process holds ``state_dir``'s lock.
+            OSError: ``state_dir`` cannot be created or written.
+        """
         state_dir.mkdir(parents=True, exist_ok=True)
-        path = state_dir / DB_NAME
+        lock_fd = _lock_state_dir(state_dir / LOCK_NAME)
+        try:
+            return cls._open_locked(state_dir / DB_NAME, lock_fd)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    @classmethod
+    def _open_locked(cls, path: Path, lock_fd: int) -> Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one per method.
         conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -216,14 +257,17 @@ class Store:
         # change, which is small next to a page of OCR; bulk intake uses accept_many.
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
-        store = cls(conn, path)
+        store = cls(conn, path, lock_fd)
         store._migrate()
         store.recovered = store._recover()
         return store
 
     def close(self) -> None:
-        """Close the connection (checkpoints the WAL)."""
+        """Close the connection (checkpoints the WAL), then release the state dir."""
         self._conn.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

@@ -237,6 +237,36 @@ def test_unusable_state_dir_exits_78(service_root: Path, free_port: Callable[[],
     assert "daemon.state_dir" in result.stderr
 
 
+def test_second_daemon_on_the_same_state_dir_exits_78(
+    service_root: Path, free_port: Callable[[], int]
+) -> None:
+    """A second `chandrad run` on the state dir of a running one (say, by hand beside the
+    service) is refused with 78 naming daemon.state_dir and the holder's pid, before it
+    touches the store; the first keeps serving."""
+    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"',
+                          service_root / "ctl.sock")
+    first = start(config, base_env(), service_root / "first.log")
+    try:
+        deadline = time.monotonic() + 60
+        while ctl(service_root / "ctl.sock", "status", "--json").returncode != 0:
+            assert first.poll() is None, (service_root / "first.log").read_text()
+            assert time.monotonic() < deadline, (service_root / "first.log").read_text()
+            time.sleep(0.3)
+        other = config.with_name("other.toml")
+        other.write_text(config.read_text().replace(str(service_root / "ctl.sock"),
+                                                    str(service_root / "other.sock")))
+        second = subprocess.run([sys.executable, "-m", "chandrad", "run", "--config",
+                                 str(other)], capture_output=True, text=True, timeout=60)
+        assert second.returncode == ExitCode.CONFIG, second.stderr
+        assert f"{other}:3: daemon.state_dir" in second.stderr
+        assert f"pid {first.pid}" in second.stderr
+        assert not (service_root / "other.sock").exists()
+        assert ctl(service_root / "ctl.sock", "status", "--json").returncode == 0
+    finally:
+        first.terminate()
+        assert first.wait(60) == 0
+
+
 def ctl(sock: Path, *args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
     prefix: list[str] = []
     if user is not None:

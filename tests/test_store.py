@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from chandrad.errors import InternalError
+from chandrad.errors import InternalError, StateDirInUse
 from chandrad.states import JobState, PageState
-from chandrad.store import DB_NAME, MIGRATIONS, Job, Store
+from chandrad.store import DB_NAME, LOCK_NAME, MIGRATIONS, Job, Store
 
 CORPUS = Path("/work/shared/corpus/good")
 
@@ -61,6 +61,34 @@ def test_refuses_database_from_newer_chandrad(tmp_path: Path) -> None:
         conn.execute("UPDATE schema_version SET version = 999")
     with pytest.raises(InternalError, match="newer"):
         Store.open(tmp_path)
+
+
+def test_one_store_per_state_dir_until_closed(tmp_path: Path) -> None:
+    """A second open of a state dir in use is refused naming the holder; close frees it."""
+    first = Store.open(tmp_path)
+    with pytest.raises(StateDirInUse, match=f"pid {os.getpid()}") as refused:
+        Store.open(tmp_path)
+    assert refused.value.details["path"] == str(tmp_path)
+    first.close()
+    Store.open(tmp_path).close()
+
+
+def test_state_dir_lock_dies_with_its_process(tmp_path: Path) -> None:
+    """A daemon killed with -9 leaves the lock file, not the lock: the next open works."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from chandrad.store import Store; Store.open(Path(sys.argv[1])); "
+         "print('held', flush=True); time.sleep(600)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(StateDirInUse, match=f"pid {holder.pid}"):
+            Store.open(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert (tmp_path / LOCK_NAME).exists()
+    Store.open(tmp_path).close()
 
 
 def test_accept_records_relative_and_absolute_path(store: Store) -> None:

@@ -33,7 +33,7 @@ from typing import Literal
 
 import structlog
 
-from chandrad.errors import ChandradError, ControlError
+from chandrad.errors import ChandradError, ControlError, ExitCode
 from chandrad.protocol import (
     COMMANDS,
     MAX_LINE_BYTES,
@@ -55,9 +55,14 @@ DEFAULT_READ_TIMEOUT = 30.0
 
 
 class ControlSocketError(ChandradError):
-    """The control socket cannot be set up (path, group or permissions)."""
+    """The control socket cannot be set up (path, group or permissions).
+
+    Exit 78 like a config error: a restart cannot fix it, the operator must
+    (``control.socket``, ``control.group``, or the daemon already using it).
+    """
 
     code = "control_socket_error"
+    exit_code = ExitCode.CONFIG
 
 
 class ControlSocketInUse(ControlSocketError):
