@@ -212,6 +212,12 @@ class _Locator:
                 self.index.setdefault(dotted, lineno)
 
     def line(self, dotted: str) -> int | None:
+        found = self._nearest(dotted)
+        if found is None and "[0]" in dotted:  # a single [watch] table is watch[0]
+            found = self._nearest(dotted.replace("[0]", "", 1))
+        return found
+
+    def _nearest(self, dotted: str) -> int | None:
         while dotted:
             if dotted in self.index:
                 return self.index[dotted]

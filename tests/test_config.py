@@ -221,6 +221,12 @@ def test_watch_value_problems_use_watch_index(tmp_path: Path) -> None:
         ("watch[1].mode", 5), ("watch[1].poll_interval", 6)}
 
 
+def test_single_watch_table_problems_have_lines(tmp_path: Path) -> None:
+    """A single [watch] table (not [[watch]]) is watch[0]; its problems still get a line."""
+    problem = _one(tmp_path, '[watch]\ninput = "/srv/in"\nsettle_seconds = "x"\n')
+    assert (problem.key, problem.line) == ("watch[0].settle_seconds", 3)
+
+
 def test_watch_without_input_is_required(tmp_path: Path) -> None:
     """A [[watch]] table without input says it is required."""
     problem = _one(tmp_path, '[[watch]]\noutput = "/srv/out"\n')
