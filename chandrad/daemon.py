@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -324,6 +325,9 @@ class Daemon:
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + "\n".join(str(p) for p in problems))
+        new, restart_needed = _keep_start_only_settings(self.config, new)
+        if restart_needed:
+            log.warning("config_reload_partial", restart_needed=restart_needed)
         if new.daemon != self.config.daemon:
             configure_logging(new.daemon.log_format, new.daemon.log_level)
         restart = await self.engine.reconfigure(new.engine, new.ocr)
@@ -339,7 +343,8 @@ class Daemon:
         self._set_state(previous, "reloaded")
         self.notifier.ready(self.status_line())
         log.info("config_reloaded", engine_restart=restart, watches_changed=watches_changed)
-        return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed}
+        return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed,
+                "restart_needed": restart_needed}
 
     # ------------------------------------------------------------ DaemonControl
     def _counts(self) -> dict[str, int]:
@@ -463,6 +468,24 @@ class Daemon:
             raise ControlError("invalid_state", "draining: no new files are accepted")
         found = self.watcher.rescan()
         return {"candidates": found}
+
+
+def _keep_start_only_settings(running: Config, new: Config) -> tuple[Config, list[str]]:
+    """``new`` with the settings a reload cannot apply kept as they run, and their keys.
+
+    The store (``daemon.state_dir``) and the control socket are opened once, at start;
+    changing them under a running daemon would orphan its queue or its clients.
+    """
+    changed = [key for key, old, now in (
+        ("daemon.state_dir", running.daemon.state_dir, new.daemon.state_dir),
+        ("control.socket", running.control_socket(), new.control_socket()),
+        ("control.group", running.control.group, new.control.group),
+        ("control.mode", running.control.mode, new.control.mode),
+    ) if old != now]
+    kept = dataclasses.replace(
+        new, control=running.control,
+        daemon=dataclasses.replace(new.daemon, state_dir=running.daemon.state_dir))
+    return kept, changed
 
 
 async def _serve(config: Config) -> int:

@@ -267,6 +267,38 @@ def test_second_daemon_on_the_same_state_dir_exits_78(
         assert first.wait(60) == 0
 
 
+def test_reload_names_settings_that_need_a_restart(
+    service_root: Path, free_port: Callable[[], int]
+) -> None:
+    """A reload that moves the state dir or changes the socket's mode applies the rest,
+    keeps those two as they run, and says which keys wait for a restart."""
+    sock = service_root / "ctl.sock"
+    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"', sock)
+    proc = start(config, base_env(), service_root / "daemon.log")
+    try:
+        deadline = time.monotonic() + 60
+        while ctl(sock, "status", "--json").returncode != 0:
+            assert proc.poll() is None, (service_root / "daemon.log").read_text()
+            assert time.monotonic() < deadline, (service_root / "daemon.log").read_text()
+            time.sleep(0.3)
+        config.write_text(config.read_text()
+                          .replace(str(service_root / "state"), str(service_root / "moved"))
+                          .replace(f'socket = "{sock}"', f'socket = "{sock}"\nmode = "0600"')
+                          .replace("[daemon]", '[daemon]\nlog_level = "debug"'))
+        reply = ctl(sock, "reload", "--wait", "--json")
+        assert reply.returncode == 0, reply.stdout + reply.stderr
+        result = json.loads(reply.stdout)
+        assert result["reloaded"] is True
+        assert sorted(result["restart_needed"]) == ["control.mode", "daemon.state_dir"]
+        assert oct(sock.stat().st_mode & 0o777) == oct(0o660)
+        assert not (service_root / "moved").exists()
+        assert (service_root / "state" / "chandrad.sqlite3").exists()
+        assert ctl(sock, "status", "--json").returncode == 0
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+
+
 def ctl(sock: Path, *args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
     prefix: list[str] = []
     if user is not None:
