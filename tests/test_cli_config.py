@@ -165,9 +165,12 @@ def test_interrupt_during_check_is_clean_exit_0(tmp_path: Path, delay: float) ->
     Python would otherwise fail: exit by signal 2, or an unrelated import error → 78.
     """
     path = _config(tmp_path)
+    # A suite started in the background (`cmd &`) inherits SIGINT ignored, and so would
+    # the child; a terminal's Ctrl-C reaches a process whose SIGINT is at its default.
     proc = subprocess.Popen([sys.executable, "-u", "-m", "chandrad", "check-config", "--config",
                              str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+                            text=True, env=_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     first = proc.stdout.readline()
     assert "OK" in first  # config parsed; the vLLM import is now under way
