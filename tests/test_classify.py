@@ -158,6 +158,23 @@ def test_nonzero_exit_without_evidence_is_other_fatal() -> None:
     assert (d.cls, d.subclass, d.restartable) == (FailureClass.OTHER_FATAL, "exited", True)
 
 
+@pytest.mark.parametrize(("line", "fatal"), [
+    ("PermissionError: [Errno 13] Permission denied: "
+     "'/models/chandra/model-00001-of-00004.safetensors'", True),
+    ("PermissionError: [Errno 13] Permission denied: '/models/chandra/tokenizer_config.json'",
+     True),
+    ("FileNotFoundError: No such file or directory: /m/pytorch_model-00001-of-00002.bin", True),
+    # Missing files that are not the model's: not a reason to stop restarting.
+    ("FileNotFoundError: [Errno 2] No such file or directory: '/tmp/x.json'", False),
+    ("OSError: [Errno 2] No such file or directory: "
+     "'/var/cache/chandrad/vllm/torch_compile_cache/a/cache.bin'", False),
+])
+def test_unreadable_model_files_are_model_not_found(line: str, fatal: bool) -> None:
+    """Model files the engine's user cannot open are fatal (a restart cannot fix them)."""
+    d = classify(line, exit_code=1)
+    assert (d.subclass == "model_not_found", d.restartable) == (fatal, not fatal), d
+
+
 def test_illegal_memory_access_is_not_an_oom() -> None:
     """'illegal memory access' mentions memory but is other_fatal."""
     d = classify("RuntimeError: CUDA error: an illegal memory access was encountered")

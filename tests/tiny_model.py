@@ -214,6 +214,8 @@ def build_tiny_model(dest: Path) -> Path:
         _build_into(tmp)
         (tmp / MARKER).write_text("ok\n")
         tmp.chmod(0o755)
+        for file in tmp.iterdir():  # safetensors writes 0600; a service user must read it
+            file.chmod(0o644)
         if dest.exists():
             if (dest / MARKER).is_file():  # another process finished first
                 return dest

@@ -338,6 +338,11 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
             r"|Cannot access gated repo|GatedRepoError|RepositoryNotFoundError"
             r"|(?:401|403|404) Client Error.*(?:huggingface|hf\.co)"
             r"|No such file or directory: .*config\.json|Can't load the configuration of"
+            # Weights the engine's user cannot open (vLLM reports an unreadable file as
+            # missing: seen under the systemd unit with a 0600 root-owned safetensors):
+            r"|(?:No such file or directory|Permission denied):? .*(?:\.(?:safetensors|gguf|pth?)"
+            r"|pytorch_model\S*\.bin|(?:tokenizer(?:_config)?|(?:pre)?processor_config"
+            r"|generation_config|config)\.json)\b"
             r"|model .* (?:does not exist|not found)"
             # A local path that does not exist is taken for a hub id and rejected:
             r"|Repo id must be in the form|HFValidationError"
@@ -458,7 +463,8 @@ _ACTIONS: dict[FailureClass, str] = {
 }
 _FATAL_ACTIONS: dict[str, str] = {
     "model_not_found": (
-        "fix engine.model (id or path) or the Hugging Face access token, then reload"
+        "fix engine.model (id or path), the Hugging Face access token, or the model "
+        "files' permissions for the daemon's user, then reload"
     ),
     "unsupported_architecture": (
         "the installed vLLM cannot run this model: install a vLLM that supports it"
