@@ -6,6 +6,7 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from chandrad import config
 from chandrad.engine import command
 from chandrad.engine.profile import MemoryProfile, initial_profile
+from chandrad.errors import ConfigProblem
 
 ENGINE = config.EngineConfig(model="/models/tiny", served_model_name="tiny", port=8123)
 PROFILE = MemoryProfile(gpu_memory_utilization=0.85, max_num_seqs=16,
@@ -26,8 +28,8 @@ def _flag_value(argv: tuple[str, ...], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def _codes(problems: list[object]) -> list[str]:
-    return [p.code for p in problems]  # type: ignore[attr-defined]
+def _codes(problems: Sequence[ConfigProblem]) -> list[str]:
+    return [p.code for p in problems]
 
 
 # ----------------------------------------------------------------------------- building
@@ -200,7 +202,7 @@ def test_pure_duplicate_detection_passes_distinct_flags() -> None:
 # ----------------------------------------------------------------------------- real vLLM parser
 
 
-def _validate(*extra: str, profile: MemoryProfile = PROFILE) -> list[command.errors.ConfigProblem]:
+def _validate(*extra: str, profile: MemoryProfile = PROFILE) -> list[ConfigProblem]:
     engine = replace(ENGINE, extra_args=extra)
     return command.validate_engine_args(
         command.build_engine_command(engine, profile, base_env={}).flags)

@@ -281,6 +281,7 @@ def test_read_commands_answer_with_versioned_results(daemon: DaemonUnderTest) ->
     assert {"state", "pid", "uptime_s"} <= set(status["daemon"])
     assert {"state", "pid", "restarts", "profile", "last_failure"} <= set(status["engine"])
     assert {"pending", "active", "done", "failed"} <= set(status["queue"])
+    assert daemon.proc is not None
     assert status["engine"]["state"] == "ready" and status["daemon"]["pid"] == daemon.proc.pid
     assert status["queue"]["done"] >= 1 and isinstance(status["gpus"], list)
     assert status["throughput"]["pages_per_min_15m"] > 0
