@@ -247,11 +247,7 @@ def test_second_daemon_on_the_same_state_dir_exits_78(
                           service_root / "ctl.sock")
     first = start(config, base_env(), service_root / "first.log")
     try:
-        deadline = time.monotonic() + 60
-        while ctl(service_root / "ctl.sock", "status", "--json").returncode != 0:
-            assert first.poll() is None, (service_root / "first.log").read_text()
-            assert time.monotonic() < deadline, (service_root / "first.log").read_text()
-            time.sleep(0.3)
+        wait_answering(service_root / "ctl.sock", first, service_root / "first.log")
         other = config.with_name("other.toml")
         other.write_text(config.read_text().replace(str(service_root / "ctl.sock"),
                                                     str(service_root / "other.sock")))
@@ -276,11 +272,7 @@ def test_reload_names_settings_that_need_a_restart(
     config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"', sock)
     proc = start(config, base_env(), service_root / "daemon.log")
     try:
-        deadline = time.monotonic() + 60
-        while ctl(sock, "status", "--json").returncode != 0:
-            assert proc.poll() is None, (service_root / "daemon.log").read_text()
-            assert time.monotonic() < deadline, (service_root / "daemon.log").read_text()
-            time.sleep(0.3)
+        wait_answering(sock, proc, service_root / "daemon.log")
         config.write_text(config.read_text()
                           .replace(str(service_root / "state"), str(service_root / "moved"))
                           .replace(f'socket = "{sock}"', f'socket = "{sock}"\nmode = "0600"')
@@ -307,6 +299,16 @@ def ctl(sock: Path, *args: str, user: str | None = None) -> subprocess.Completed
                            str(sock), *args], capture_output=True, text=True, timeout=60)
 
 
+def wait_answering(sock: Path, proc: subprocess.Popen[bytes], log: Path,
+                   timeout: float = 60) -> None:
+    """Until the daemon answers `status` on ``sock``; fails with its log if it exits first."""
+    deadline = time.monotonic() + timeout
+    while ctl(sock, "status", "--json").returncode != 0:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.3)
+
+
 def test_second_uid_is_forbidden_and_stale_socket_is_replaced(
     tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]
 ) -> None:
@@ -329,10 +331,7 @@ def test_second_uid_is_forbidden_and_stale_socket_is_replaced(
     config = write_config(root, f'url = "http://127.0.0.1:{free_port()}"', sock_path)
     proc = start(config, base_env(), root / "daemon.log")
     try:
-        deadline = time.monotonic() + 60
-        while ctl(sock_path, "status", "--json").returncode != 0:
-            assert time.monotonic() < deadline, (root / "daemon.log").read_text()
-            time.sleep(0.3)
+        wait_answering(sock_path, proc, root / "daemon.log")
         as_root = ctl(sock_path, "pause", "--json")
         assert as_root.returncode == 0, as_root.stderr
         denied = ctl(sock_path, "resume", user="nobody")
