@@ -173,14 +173,12 @@ class Daemon:
         try:
             return Store.open(cfg.daemon.state_dir)
         except StateDirInUse as exc:
-            raise ConfigError([ConfigProblem(
-                "daemon.state_dir", exc.message, str(cfg.path),
-                key_line_of(cfg, "daemon.state_dir"), exc.code)]) from exc
+            message, code = exc.message, exc.code
         except OSError as exc:
-            raise ConfigError([ConfigProblem(
-                "daemon.state_dir", f"cannot open the store in {cfg.daemon.state_dir}: "
-                f"{exc.strerror or exc}", str(cfg.path), key_line_of(cfg, "daemon.state_dir"),
-                "config_state_dir")]) from exc
+            message = f"cannot open the store in {cfg.daemon.state_dir}: {exc.strerror or exc}"
+            code = "config_state_dir"
+        raise ConfigError([ConfigProblem("daemon.state_dir", message, str(cfg.path),
+                                         key_line_of(cfg, "daemon.state_dir"), code)])
 
     @staticmethod
     def _make_watch_folders(cfg: Config) -> None:
