@@ -208,11 +208,11 @@ def _lock_state_dir(lock_path: Path) -> int:
         os.close(fd)
         if exc.errno not in (errno.EAGAIN, errno.EACCES):
             raise
-        who = f"chandrad (pid {holder})" if holder.isdigit() else "chandrad"
+        pid = int(holder) if holder.isdigit() else None
+        who = "chandrad" if pid is None else f"chandrad (pid {pid})"
         raise StateDirInUse(
             f"another {who} is using {lock_path.parent}; stop it first, or give this "
-            "daemon its own daemon.state_dir", path=str(lock_path.parent),
-            pid=int(holder) if holder.isdigit() else None) from exc
+            "daemon its own daemon.state_dir", path=str(lock_path.parent), pid=pid) from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
     return fd
