@@ -310,8 +310,14 @@ _WRITER = textwrap.dedent("""
     from chandrad.states import JobState, PageState
     from chandrad.store import Store
 
+    def say(*words):
+        # One write per line: print() writes each word separately when stdout is
+        # unbuffered (PYTHONUNBUFFERED), and SIGKILL could then cut a line in two.
+        sys.stdout.write(" ".join(map(str, words)) + "\\n")
+        sys.stdout.flush()
+
     store = Store.open(Path(sys.argv[1]))
-    print("recovered", store.recovered.pages_released, store.recovered.jobs_running, flush=True)
+    say("recovered", store.recovered.pages_released, store.recovered.jobs_running)
     root = Path("/in")
     n = len(store.list_jobs())
     while True:
@@ -329,12 +335,12 @@ _WRITER = textwrap.dedent("""
             if page.state is not PageState.PENDING:
                 continue
             store.claim_page(job.id, page.index)
-            print("claimed", job.id, page.index, flush=True)
+            say("claimed", job.id, page.index)
             store.finish_page(job.id, page.index, result={"job": job.id, "page": page.index},
                               width=10, height=20, seconds=0.01)
-            print("done", job.id, page.index, flush=True)
+            say("done", job.id, page.index)
         store.set_job_state(job.id, JobState.DONE)
-        print("jobdone", job.id, flush=True)
+        say("jobdone", job.id)
 """)
 
 
