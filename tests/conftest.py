@@ -5,6 +5,7 @@ Owns only fixtures that many test modules need; module-specific helpers live wit
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import os
 import socket
@@ -44,13 +45,24 @@ def free_port() -> Callable[[], int]:
     return _free_port
 
 
+#: The test documents, kept in the repository (``tests/corpus/README.md``). The one place
+#: that names them: tests take the ``corpus_dir`` fixture, or ``CORPUS_DIR`` where a path is
+#: needed at collection time (parametrize lists, module constants).
+CORPUS_DIR = REPO_ROOT / "tests" / "corpus"
+
+
+def corpus_manifest() -> list[dict[str, str]]:
+    """The rows of ``tests/corpus/MANIFEST.tsv``; a missing manifest raises, never yields []."""
+    with (CORPUS_DIR / "MANIFEST.tsv").open(encoding="utf-8", newline="") as fh:
+        return list(csv.DictReader(fh, delimiter="\t"))
+
+
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
-    """The shared test corpus: `../shared/corpus` beside the checkout, else /work/shared/corpus."""
-    for candidate in (REPO_ROOT.parent / "shared" / "corpus", Path("/work/shared/corpus")):
-        if (candidate / "MANIFEST.tsv").is_file():
-            return candidate
-    pytest.fail("test corpus not found: expected ../shared/corpus beside the repository")
+    """The test corpus in the checkout (``tests/corpus``); fails loudly when it is missing."""
+    if not (CORPUS_DIR / "MANIFEST.tsv").is_file():
+        pytest.fail(f"test corpus not found: {CORPUS_DIR}/MANIFEST.tsv is missing")
+    return CORPUS_DIR
 
 
 @pytest.fixture(scope="session")
