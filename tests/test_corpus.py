@@ -98,3 +98,21 @@ def test_log_excerpts_carry_their_source() -> None:
         assert re.match(r"^https://github\.com/[\w.-]+/[\w.-]+/(issues|pull)/\d+$",
                         case["source"]), case
 
+
+#: How a path outside the checkout has been spelled: the machine's absolute tree, or the
+#: folder that used to sit beside the repository (this file, which spells them, is skipped).
+OUTSIDE = re.compile(r"/work/|\.\./shared|[\"']shared[\"']|shared/(corpus|fixtures)")
+
+
+def test_no_code_names_a_path_outside_the_checkout() -> None:
+    """Tests, bench, scripts, CI and the package read nothing outside the repository."""
+    roots = ["chandrad", "tests", "bench", "scripts", ".ci"]
+    files = [p for root in roots for p in (REPO_ROOT / root).rglob("*")
+             if p.is_file() and (p.suffix in (".py", ".sh", ".toml") or root in ("scripts", ".ci"))
+             and "fixtures" not in p.parts and "corpus" not in p.parts
+             and p != Path(__file__).resolve()]
+    assert len(files) > 40
+    hits = [f"{p.relative_to(REPO_ROOT)}:{n}: {line.strip()}"
+            for p in files for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if OUTSIDE.search(line)]
+    assert hits == []

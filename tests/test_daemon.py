@@ -7,7 +7,6 @@ on two cores); the crash test restarts it, the last test stops it with SIGTERM.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import corpus_manifest
 
 from chandrad.engine.process import process_name, session_members
 
@@ -108,11 +108,6 @@ class DaemonUnderTest:
         return sqlite3.connect(f"file:{self.state_db}?mode=ro", uri=True, timeout=10)
 
 
-def manifest(corpus_dir: Path) -> list[dict[str, str]]:
-    with (corpus_dir / "MANIFEST.tsv").open() as fh:
-        return list(csv.DictReader(fh, delimiter="\t"))
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
            free_port: Callable[[], int]) -> Iterator[DaemonUnderTest]:
@@ -183,7 +178,7 @@ def drop(src: Path, inbox: Path, name: str | None = None) -> Path:
 
 def test_good_corpus_produces_every_output(daemon: DaemonUnderTest, corpus_dir: Path) -> None:
     """Every good file → .md, .html, .json (one entry per source page), metadata; input in done/."""
-    rows = [r for r in manifest(corpus_dir) if r["file"].startswith("good/")]
+    rows = [r for r in corpus_manifest() if r["file"].startswith("good/")]
     t0 = time.monotonic()
     for row in rows:
         drop(corpus_dir / row["file"], daemon.inbox)
@@ -217,7 +212,7 @@ def test_bad_corpus_fails_with_reasons_or_is_processed(
 ) -> None:
     """Bad files: 'failed' ones land in failed/ with <name>.error.json; 'ok' ones are processed;
     the daemon keeps serving throughout."""
-    rows = [r for r in manifest(corpus_dir) if r["file"].startswith("bad/")]
+    rows = [r for r in corpus_manifest() if r["file"].startswith("bad/")]
     for row in rows:
         drop(corpus_dir / row["file"], daemon.inbox)
     names = {Path(r["file"]).name for r in rows}

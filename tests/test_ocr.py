@@ -13,7 +13,6 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from chandra.model.schema import BatchInputItem
 from chandra.model.util import detect_repeat_token
 from chandra.model.vllm import generate_vllm
 from chandra.prompts import PROMPT_MAPPING
+from conftest import CORPUS_DIR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -33,12 +33,6 @@ from chandrad.ocr import (
     sampling_for_attempt,
 )
 from chandrad.render import render_page
-
-
-def corpus_dir() -> Path:
-    """The shared corpus: ``../shared/corpus`` beside the repo, else ``/work/shared/corpus``."""
-    beside = Path(__file__).resolve().parents[2] / "shared" / "corpus"
-    return beside if beside.is_dir() else Path("/work/shared/corpus")
 
 
 class _Recorder(ThreadingHTTPServer):
@@ -92,7 +86,7 @@ def openai_server() -> Iterator[_Recorder]:
 
 @pytest.fixture(scope="module")
 def page_png() -> bytes:
-    return render_page(corpus_dir() / "good/scan_book-page_c02-22.pdf", 0, 1024, 6291456).png
+    return render_page(CORPUS_DIR / "good/scan_book-page_c02-22.pdf", 0, 1024, 6291456).png
 
 
 def _pixels(data_url: str) -> tuple[tuple[int, int], bytes]:

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import CORPUS_DIR
 from PIL import Image
 
 from chandrad import errors
@@ -29,12 +30,6 @@ from chandrad.outputs import (
 from chandrad.render import render_page
 
 FORMATS = ("md", "html", "json")
-
-
-def corpus_dir() -> Path:
-    """The shared corpus: ``../shared/corpus`` beside the repo, else ``/work/shared/corpus``."""
-    beside = Path(__file__).resolve().parents[2] / "shared" / "corpus"
-    return beside if beside.is_dir() else Path("/work/shared/corpus")
 
 
 RAW = (
@@ -81,7 +76,7 @@ def _metadata(source: Path) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def fax_pages() -> list[PageOutput]:
-    return _pages(corpus_dir() / "good/image_multipage-fax-g3_3p.tif", 3, failed=(2,))
+    return _pages(CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif", 3, failed=(2,))
 
 
 def test_output_dir_for_keeps_relative_dir(tmp_path: Path) -> None:
@@ -95,7 +90,7 @@ def test_output_dir_for_keeps_relative_dir(tmp_path: Path) -> None:
 
 def test_write_document_layout(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
     """md, html, json, metadata and images are written; json has one entry per page in order."""
-    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
     written = write_document(tmp_path / "fax", "fax", fax_pages, _metadata(source), FORMATS)
     names = {p.name for p in written}
     assert {"fax.md", "fax.html", "fax.json", "fax_metadata.json"} <= names
@@ -130,7 +125,7 @@ def test_write_document_layout(tmp_path: Path, fax_pages: list[PageOutput]) -> N
 
 def test_formats_subset(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
     """Only the configured formats are written; metadata always is."""
-    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
     written = write_document(tmp_path / "fax", "fax", fax_pages, _metadata(source), ("md",))
     names = {p.name for p in written}
     assert "fax.md" in names and "fax_metadata.json" in names
@@ -140,7 +135,7 @@ def test_formats_subset(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
 
 def test_rewrite_same_source_is_idempotent(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
     """Writing the same document again replaces its files and drops ones no longer produced."""
-    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
     meta = _metadata(source)
     first = write_document(tmp_path / "fax", "fax", fax_pages, meta, FORMATS)
     before = sorted(p.name for p in (tmp_path / "fax").iterdir())
@@ -157,10 +152,10 @@ def test_rewrite_same_source_is_idempotent(tmp_path: Path, fax_pages: list[PageO
 
 def test_different_source_gets_suffixed_dir(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
     """Another file landing on an occupied output dir gets ``<stem> (1)``; the first is kept."""
-    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
     write_document(tmp_path / "doc", "doc", fax_pages, _metadata(source), FORMATS)
     original = (tmp_path / "doc" / "doc.md").read_bytes()
-    other = corpus_dir() / "good/scan_book-page_c02-22.pdf"
+    other = CORPUS_DIR / "good/scan_book-page_c02-22.pdf"
     written = write_document(tmp_path / "doc", "doc", _pages(other, 1), _metadata(other), FORMATS)
     assert {p.parent for p in written} == {tmp_path / "doc (1)"}
     assert (tmp_path / "doc" / "doc.md").read_bytes() == original
@@ -175,7 +170,7 @@ def test_foreign_dir_is_not_touched(tmp_path: Path, fax_pages: list[PageOutput])
     """A non-empty directory chandrad did not create is left alone; outputs go beside it."""
     (tmp_path / "fax").mkdir()
     (tmp_path / "fax" / "fax.md").write_text("operator notes")
-    source = corpus_dir() / "good/image_multipage-fax-g3_3p.tif"
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
     written = write_document(tmp_path / "fax", "fax", fax_pages, _metadata(source), FORMATS)
     assert written[0].parent == tmp_path / "fax (1)"
     assert (tmp_path / "fax" / "fax.md").read_text() == "operator notes"
@@ -279,7 +274,7 @@ def test_move_across_filesystems(tmp_path: Path) -> None:
         pytest.skip("needs /dev/shm on a different filesystem")
     inp = Path(tempfile.mkdtemp(dir=shm))
     try:
-        data = (corpus_dir() / "good/scan_skewed_linn.pdf").read_bytes()
+        data = (CORPUS_DIR / "good/scan_skewed_linn.pdf").read_bytes()
         (inp / "x.pdf").write_bytes(data)
         (tmp_path / "x.pdf").write_bytes(b"already here")
         dest = move_to(tmp_path, inp, inp / "x.pdf")

@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import CORPUS_DIR
 
 from chandrad.errors import InternalError, StateDirInUse
 from chandrad.states import JobState, PageState
 from chandrad.store import DB_NAME, LOCK_NAME, MIGRATIONS, Job, Store
 
-CORPUS = Path("/work/shared/corpus/good")
+CORPUS = CORPUS_DIR / "good"
 
 
 def _sha(data: bytes) -> str:

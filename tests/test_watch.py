@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import CORPUS_DIR
 
 from chandrad.config import WatchConfig
 from chandrad.watch import (
@@ -28,7 +29,7 @@ from chandrad.watch import (
     sniff_complete,
 )
 
-CORPUS = Path("/work/shared/corpus")
+CORPUS = CORPUS_DIR
 PDF = CORPUS / "good" / "digital_sf424-federal-form.pdf"  # its only %%EOF is at the end
 JPG = CORPUS / "good" / "image_us-senate-document-1870s.jpg"
 TIF = CORPUS / "good" / "image_numeric-table-scan.tif"
