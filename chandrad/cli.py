@@ -15,6 +15,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from chandrad import __version__, config, errors
-from chandrad.engine import command
+from chandrad.engine import command, launch
 from chandrad.engine.profile import MemoryProfile, initial_profile
 
 _log = logging.getLogger("chandrad")
@@ -46,9 +47,34 @@ def _parser() -> argparse.ArgumentParser:
         one.add_argument("--config", type=Path, default=None, metavar="PATH",
                          help="config file (default: $CHANDRAD_CONFIG, else "
                          f"{config.DEFAULT_CONFIG_PATH})")
+        if name == "check-config":
+            one.add_argument("--gpu-memory", type=parse_size, default=None, metavar="SIZE",
+                             help="preview for a GPU that is not here: its total memory as "
+                             "NVML reports it (81559MiB, 24GiB; a bare number is MiB)")
+            one.add_argument("--gpus", type=int, default=1, metavar="N",
+                             help="with --gpu-memory: how many such GPUs the host has")
+            one.add_argument("--json", action="store_true",
+                             help="print {engine: {argv, env}, profile, problems} as JSON")
     # Hidden: the daemon runs it in the engine's interpreter (engine/command.py).
     sub.add_parser("check-flags")
     return parser
+
+
+_SIZE_UNITS = {"": 2**20, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """A memory size as NVML/nvidia-smi print it (``81559MiB``, ``24GiB``) → bytes.
+
+    A bare number is MiB, nvidia-smi's unit.
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size like 81559MiB, 24GiB or 80GB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,41 +166,69 @@ def _run(args: argparse.Namespace) -> int:
     return int(daemon.run(cfg))
 
 
-def gpu_total_gib(gpus: str) -> float | None:
-    """Memory of the smallest selected GPU (for ``"auto"``), ``None`` without NVML or GPU."""
+def _gpus_here() -> list[Any]:
+    """The GPUs NVML sees; ``[]`` without NVML, driver or GPU."""
     try:
         gpu = importlib.import_module("chandrad.gpu")
-        selected = None if gpus.strip().lower() == "all" else gpus.replace(" ", "").split(",")
-        total = gpu.total_memory_gib(selected)
+        return list(gpu.read_gpus())
     except Exception:  # no NVML, no driver, no GPU: "auto" leaves vLLM's defaults
-        return None
-    return float(total) if total is not None else None
+        return []
 
 
 def _check_config(args: argparse.Namespace) -> int:
     path = _config_path(args)
     started = time.monotonic()
+    if args.gpu_memory is None and args.gpus != 1:
+        print("chandrad check-config: --gpus needs --gpu-memory", file=sys.stderr)
+        return errors.ExitCode.USAGE
+    if args.gpus < 1:
+        print("chandrad check-config: --gpus must be at least 1", file=sys.stderr)
+        return errors.ExitCode.USAGE
     cfg = config.load_config(path)
     engine = cfg.engine
-    print(f"config {path}: syntax, keys, types and ranges OK")
+    say = (lambda *_: None) if args.json else print
+    say(f"config {path}: syntax, keys, types and ranges OK")
     if not engine.supervised:
         problems = _url_problems(engine.url)
-        print(f"engine: remote at {engine.base_url} (engine.url); chandrad supervises no "
-              "engine, so there is no engine command line to check")
-        return _finish(problems, path, started)
-    gib = gpu_total_gib(engine.gpus)
+        say(f"engine: remote at {engine.base_url} (engine.url); chandrad supervises no "
+            "engine, so there is no engine command line to check")
+        return _finish(problems, path, started, report={"engine": None, "profile": None}
+                       if args.json else None)
+    gpu = importlib.import_module("chandrad.gpu")
+    preview = args.gpu_memory is not None
+    gpus = gpu.preview_gpus(args.gpu_memory, args.gpus) if preview else _gpus_here()
+    sizing = gpu.sizing_gpu(gpus, engine.gpus)
+    gib = sizing.memory_total / 2**30 if sizing is not None else None
     profile = initial_profile(engine.memory, gib)
     cmd = command.build_engine_command(engine, profile, base_env=os.environ)
     problems = command.validate_engine_args(cmd.flags)
-    memory = f"{gib:g} GiB" if gib is not None else "no GPU visible (auto: vLLM defaults)"
-    print(f"gpu memory: {memory}")
-    print(f"starting profile: {json.dumps(_profile_summary(profile), sort_keys=True)}")
-    print("engine command:")
-    print(f"  {shlex.join(cmd.argv)}")
-    print("engine environment set by chandrad:")
+    if preview and sizing is None:
+        problems.append(errors.ConfigProblem(
+            "engine.gpus", f"{engine.gpus!r} selects none of the {args.gpus} previewed GPU(s) "
+            f"(indices 0-{args.gpus - 1})", code="config_range"))
+    if gib is None:
+        memory = "no GPU visible (auto: vLLM defaults)"
+    else:
+        where = "previewed" if preview else "from NVML"
+        memory = (f"{gib:g} GiB ({where}; Chandra's GPU table: "
+                  f"{launch.chandra_gpu(gib)})")
+    say(f"gpu memory: {memory}")
+    say(f"starting profile: {json.dumps(_profile_summary(profile), sort_keys=True)}")
+    say("engine command:")
+    say(f"  {shlex.join(cmd.argv)}")
+    say("engine environment set by chandrad:")
     for name in sorted(cmd.env_added):
-        print(f"  {name}={shlex.quote(cmd.env_added[name])}")
-    return _finish(problems, path, started)
+        say(f"  {name}={shlex.quote(cmd.env_added[name])}")
+    report = None
+    if args.json:
+        report = {
+            "engine": {"argv": list(cmd.argv), "env": dict(sorted(cmd.env_added.items()))},
+            "profile": _profile_summary(profile),
+            "gpu": None if sizing is None else {
+                "memory_total": sizing.memory_total, "count": len(gpu.select(gpus, engine.gpus)),
+                "previewed": preview, "chandra_gpu": launch.chandra_gpu(gib or 0.0)},
+        }
+    return _finish(problems, path, started, report=report)
 
 
 def _profile_summary(profile: MemoryProfile) -> dict[str, Any]:
@@ -195,14 +249,21 @@ def _url_problems(url: str) -> list[errors.ConfigProblem]:
     return []
 
 
-def _finish(problems: list[errors.ConfigProblem], path: Path, started: float) -> int:
+def _finish(problems: list[errors.ConfigProblem], path: Path, started: float,
+            report: dict[str, Any] | None = None) -> int:
+    """Exit 0 or raise the located problems; with ``report`` (``--json``) print it instead."""
     elapsed = time.monotonic() - started
-    if not problems:
-        print(f"OK ({elapsed:.1f} s)")
-        return errors.ExitCode.OK
     text = _read_text(path)
     located = [dataclasses.replace(p, file=str(path), line=config.key_line(text, p.key))
                for p in problems]
+    if report is not None:
+        report["problems"] = [{"key": p.key, "message": p.message, "code": p.code,
+                               "file": p.file, "line": p.line} for p in located]
+        print(json.dumps(report, indent=2))
+        return errors.ExitCode.CONFIG if located else errors.ExitCode.OK
+    if not located:
+        print(f"OK ({elapsed:.1f} s)")
+        return errors.ExitCode.OK
     raise errors.ConfigError(located)
 
 

@@ -19,14 +19,6 @@ from chandrad.errors import ConfigError, ConfigProblem
 
 DEFAULT_CONFIG_PATH = Path("/etc/chandrad/chandrad.toml")
 
-#: Chandra 2's own table (SPEC §3): GPU memory (GiB) → (max_num_batched_tokens, max_num_seqs).
-AUTO_TABLE: tuple[tuple[float, int, int], ...] = (
-    (80.0, 8192, 64),
-    (40.0, 4096, 32),
-    (24.0, 2048, 16),
-    (16.0, 1024, 8),
-)
-
 #: Knobs that blog recipes use but current vLLM does not have, with the real mechanism.
 OBSOLETE_ENGINE_KNOBS: dict[str, str] = {
     "swap_space": (
@@ -50,6 +42,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 WATCH_MODES = ("auto", "inotify", "poll")
 DUPLICATE_POLICIES = ("process", "skip")
 OUTPUT_FORMATS = ("md", "html", "json")
+#: ``vllm serve --dtype`` choices, plus "auto" (chandrad's: bfloat16 on a GPU).
+DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
 
 @dataclass(frozen=True)
@@ -92,12 +86,16 @@ class OcrConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """The starting memory profile. ``None`` means: leave vLLM's default."""
+    """The starting memory profile. ``None`` means: leave vLLM's default.
 
-    gpu_memory_utilization: float | str | None = 0.9
+    ``"auto"``: with a GPU, the value of Chandra's own launch for that GPU
+    (``engine/launch.py``); without one, vLLM's default.
+    """
+
+    gpu_memory_utilization: float | str | None = "auto"
     max_num_seqs: int | str | None = "auto"
     max_num_batched_tokens: int | str | None = "auto"
-    max_model_len: int | None = None
+    max_model_len: int | str | None = "auto"
     block_size: int | None = None
     enforce_eager: bool = False
     cpu_offload_gb: float = 0.0
@@ -130,6 +128,7 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     gpus: str = "all"
+    dtype: str = "auto"  # "auto": bfloat16 with a GPU (Chandra's launch), vLLM's default without
     python: str = ""  # "" = the daemon's own interpreter
     command: tuple[str, ...] = ()  # overrides python + module when set
     extra_args: tuple[str, ...] = ()
@@ -470,7 +469,8 @@ def _memory(r: _Reader) -> MemoryConfig:
         max_num_seqs=r.number("max_num_seqs", d.max_num_seqs, 1, 65536, True, allow=("auto",)),
         max_num_batched_tokens=r.number("max_num_batched_tokens", d.max_num_batched_tokens,
                                         16, 10_000_000, True, allow=("auto",)),
-        max_model_len=r.number("max_model_len", d.max_model_len, 16, 10_000_000, True),
+        max_model_len=r.number("max_model_len", d.max_model_len, 16, 10_000_000, True,
+                               allow=("auto",)),
         block_size=block,
         enforce_eager=r.get("enforce_eager", (bool,), d.enforce_eager),
         cpu_offload_gb=r.number("cpu_offload_gb", d.cpu_offload_gb, 0, 100000),
@@ -530,6 +530,7 @@ def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
         host=r.get("host", (str,), d.host),
         port=r.number("port", d.port, 1, 65535, True),
         gpus=str(r.get("gpus", (str, int), d.gpus)),
+        dtype=r.choice("dtype", d.dtype, DTYPES),
         python=r.get("python", (str,), d.python),
         command=tuple(str(c) for c in command),
         extra_args=r.strings("extra_args", d.extra_args),

@@ -53,17 +53,16 @@ def key_line_of(cfg: Config, dotted: str) -> int | None:
 class NvmlProbe:
     """``chandrad.gpu`` shaped as the supervisor's ``GpuProbe``."""
 
-    def facts(self) -> GpuFacts | None:
-        gpus = nvml.read_gpus()
-        if not gpus:
+    def facts(self, gpus: str) -> GpuFacts | None:
+        smallest = nvml.sizing_gpu(nvml.read_gpus(), gpus)
+        if smallest is None:
             return None
-        smallest = min(gpus, key=lambda g: g.memory_total)
         return GpuFacts(total_gib=smallest.memory_total / 2**30,
                         free_gib=smallest.memory_free / 2**30)
 
-    def identity(self) -> tuple[str, int]:
-        gpus = nvml.read_gpus()
-        return (gpus[0].name if gpus else "cpu"), len(gpus)
+    def identity(self, gpus: str) -> tuple[str, int]:
+        chosen = nvml.select(nvml.read_gpus(), gpus)
+        return (chosen[0].name if chosen else "cpu"), len(chosen)
 
     def memory_held_by(self, pids: set[int]) -> dict[int, int]:
         return nvml.pids_holding_memory(pids)

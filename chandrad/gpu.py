@@ -10,7 +10,7 @@ shut down afterwards, never at import time.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -179,16 +179,36 @@ def pids_holding_memory(pids: set[int]) -> dict[int, int]:
     return held
 
 
+def select(gpus: Sequence[GpuInfo], selector: str) -> list[GpuInfo]:
+    """The GPUs ``engine.gpus`` selects: ``"all"``, or indices/UUIDs separated by commas.
+
+    The one place that reads the selector for sizing: ``run`` (through the daemon's
+    probe) and ``check-config`` (real or previewed GPUs) both come here.
+    """
+    if selector.strip().lower() == "all":
+        return list(gpus)
+    wanted = {part.strip() for part in selector.split(",") if part.strip()}
+    return [g for g in gpus if g.uuid in wanted or str(g.index) in wanted]
+
+
+def sizing_gpu(gpus: Sequence[GpuInfo], selector: str) -> GpuInfo | None:
+    """The GPU ``"auto"`` sizes from: the smallest selected one; ``None`` without one."""
+    chosen = select(gpus, selector)
+    return min(chosen, key=lambda g: g.memory_total) if chosen else None
+
+
+def preview_gpus(total_bytes: int, count: int = 1) -> list[GpuInfo]:
+    """``count`` idle GPUs of ``total_bytes`` each, for ``check-config --gpu-memory``."""
+    return [GpuInfo(index=i, uuid=f"GPU-preview-{i}", name="previewed GPU",
+                    memory_total=total_bytes, memory_used=0, memory_free=total_bytes)
+            for i in range(count)]
+
+
 def total_memory_gib(uuids_or_indices: list[str] | None = None) -> float | None:
     """Total memory of the smallest selected GPU in GiB; ``None`` without a GPU.
 
     ``uuids_or_indices`` selects GPUs by UUID or index string (``engine.gpus``);
     ``None`` or empty means all of them.
     """
-    gpus = read_gpus()
-    if uuids_or_indices:
-        wanted = {str(x) for x in uuids_or_indices}
-        gpus = [g for g in gpus if g.uuid in wanted or str(g.index) in wanted]
-    if not gpus:
-        return None
-    return round(min(g.memory_total for g in gpus) / GIB, 3)
+    chosen = sizing_gpu(read_gpus(), ",".join(uuids_or_indices) if uuids_or_indices else "all")
+    return None if chosen is None else round(chosen.memory_total / GIB, 3)

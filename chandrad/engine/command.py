@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from chandrad import config, errors
+from chandrad.engine import launch
 from chandrad.engine.profile import MemoryProfile
 from chandrad.systemd import scrub_systemd_env
 
@@ -50,6 +51,9 @@ FLAG_KEYS: dict[str, str] = {
     "--max-model-len": "engine.memory.max_model_len",
     "--block-size": "engine.memory.block_size",
     "--enforce-eager": "engine.memory.enforce_eager",
+    "--no-enforce-eager": "engine.memory.enforce_eager",
+    "--dtype": "engine.dtype",
+    "--enable-prefix-caching": "engine",  # Chandra's GPU launch, no key of its own
     "--cpu-offload-gb": "engine.memory.cpu_offload_gb",
     "--kv-cache-memory-bytes": "engine.memory.kv_cache_memory_bytes",
     "--limit-mm-per-prompt": "engine.memory.limit_mm_per_prompt",
@@ -86,7 +90,11 @@ def engine_python(engine: config.EngineConfig) -> str:
 
 
 def engine_flags(engine: config.EngineConfig, profile: MemoryProfile) -> tuple[str, ...]:
-    """The vLLM flags for ``engine`` at ``profile``, then ``extra_args`` verbatim."""
+    """The vLLM flags for ``engine`` at ``profile``, then ``extra_args`` verbatim.
+
+    A profile made for a GPU (``profile.chandra_launch``) carries every flag of
+    Chandra's own launcher (``engine/launch.py``); the configured values win.
+    """
     flags: list[str] = [
         "--model", engine.model,
         "--served-model-name", engine.served_model_name,
@@ -103,8 +111,17 @@ def engine_flags(engine: config.EngineConfig, profile: MemoryProfile) -> tuple[s
     for flag, value in numeric:
         if value is not None:
             flags += [flag, str(value)]
+    dtype = engine.dtype
+    if dtype == "auto":
+        dtype = launch.DTYPE if profile.chandra_launch else ""
+    if dtype:
+        flags += ["--dtype", dtype]
     if profile.enforce_eager:
         flags.append("--enforce-eager")
+    elif profile.chandra_launch:
+        flags.append("--no-enforce-eager")
+    if profile.chandra_launch:
+        flags.append("--enable-prefix-caching")
     if profile.cpu_offload_gb > 0:
         flags += ["--cpu-offload-gb", str(profile.cpu_offload_gb)]
     if profile.kv_cache_memory_bytes is not None:
@@ -113,9 +130,10 @@ def engine_flags(engine: config.EngineConfig, profile: MemoryProfile) -> tuple[s
     if memory.limit_mm_per_prompt:
         flags += ["--limit-mm-per-prompt", json.dumps(memory.limit_mm_per_prompt,
                                                       sort_keys=True)]
-    if memory.mm_processor_kwargs:
-        flags += ["--mm-processor-kwargs", json.dumps(memory.mm_processor_kwargs,
-                                                      sort_keys=True)]
+    mm_kwargs = memory.mm_processor_kwargs or (
+        launch.MM_PROCESSOR_KWARGS if profile.chandra_launch else {})
+    if mm_kwargs:
+        flags += ["--mm-processor-kwargs", json.dumps(mm_kwargs, sort_keys=True)]
     if profile.mm_processor_cache_gb is not None:
         flags += ["--mm-processor-cache-gb", str(profile.mm_processor_cache_gb)]
     return (*flags, *engine.extra_args)

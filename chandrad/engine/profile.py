@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from chandrad.config import AUTO_TABLE, DownshiftConfig, MemoryConfig
+from chandrad.config import DownshiftConfig, MemoryConfig
+from chandrad.engine import launch
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class MemoryProfile:
     # Page budget: lowered only as a last resort (degraded quality, logged as such).
     max_pixels: int | None = None
     max_output_tokens: int | None = None
+    # Chandra's GPU launch (engine/launch.py): --dtype, --enable-prefix-caching,
+    # --no-enforce-eager and its processor pixel limits. Set when there is a GPU.
+    chandra_launch: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,42 +56,45 @@ class MemoryProfile:
 
 
 def auto_batching(gpu_total_gib: float | None) -> tuple[int, int] | None:
-    """Chandra 2's table: GPU memory → (max_num_batched_tokens, max_num_seqs).
+    """Chandra's GPU table: GPU memory → (max_num_batched_tokens, max_num_seqs).
 
     ``None`` when there is no GPU to size from (leave vLLM's defaults).
     """
-    if gpu_total_gib is None:
-        return None
-    for min_gib, tokens, seqs in AUTO_TABLE:
-        # Marketing sizes: an "80 GB" card reports ~79.2 GiB, a "24 GB" one ~23.6 GiB.
-        if gpu_total_gib >= min_gib * 0.95:
-            return tokens, seqs
-    _, tokens, seqs = AUTO_TABLE[-1]
-    return tokens, seqs
+    return None if gpu_total_gib is None else launch.batching(gpu_total_gib)
 
 
 def initial_profile(memory: MemoryConfig, gpu_total_gib: float | None) -> MemoryProfile:
-    """The configured starting profile with ``"auto"`` resolved from GPU memory."""
+    """The configured starting profile with ``"auto"`` resolved.
+
+    With a GPU, ``"auto"`` is Chandra's own launch (``engine/launch.py``) sized for
+    ``gpu_total_gib``, the memory of the GPU the engine will use; without one it is
+    vLLM's default.
+    """
+    gpu = gpu_total_gib is not None
     auto = auto_batching(gpu_total_gib)
     seqs = memory.max_num_seqs
     tokens = memory.max_num_batched_tokens
     util = memory.gpu_memory_utilization
+    length = memory.max_model_len
     if seqs == "auto":
         seqs = auto[1] if auto else None
     if tokens == "auto":
         tokens = auto[0] if auto else None
     if util == "auto":
-        util = 0.9 if gpu_total_gib is not None else None
+        util = launch.GPU_MEMORY_UTILIZATION if gpu else None
+    if length == "auto":
+        length = launch.MAX_MODEL_LEN if gpu else None
     return MemoryProfile(
         gpu_memory_utilization=None if util is None else float(util),
         max_num_seqs=None if seqs is None else int(seqs),
         max_num_batched_tokens=None if tokens is None else int(tokens),
-        max_model_len=memory.max_model_len,
+        max_model_len=None if length is None else int(length),
         block_size=memory.block_size,
         enforce_eager=memory.enforce_eager,
         cpu_offload_gb=memory.cpu_offload_gb,
         kv_cache_memory_bytes=memory.kv_cache_memory_bytes,
         mm_processor_cache_gb=memory.mm_processor_cache_gb,
+        chandra_launch=gpu,
     )
 
 

@@ -61,9 +61,11 @@ class LearnedProfiles(Protocol):
 class GpuProbe(Protocol):
     """NVML as the supervisor needs it (``chandrad.gpu`` behind it)."""
 
-    def facts(self) -> GpuFacts | None: ...
+    def facts(self, gpus: str) -> GpuFacts | None:
+        """NVML facts of the GPU ``engine.gpus`` sizes from (``gpu.sizing_gpu``)."""
+        ...
 
-    def identity(self) -> tuple[str, int]: ...
+    def identity(self, gpus: str) -> tuple[str, int]: ...
 
     def memory_held_by(self, pids: set[int]) -> dict[int, int]: ...
 
@@ -594,7 +596,7 @@ class EngineSupervisor:
         decision = next_profile(
             self.profile, str(diag.cls), diag.numbers, self.engine.downshift,
             max_pixels=self.ocr.max_pixels, max_output_tokens=self.ocr.max_output_tokens,
-            gpu=self.gpu.facts(),
+            gpu=self.gpu.facts(self.engine.gpus),
         )
         if decision.profile is None:
             self._give_up(decision.reason)
@@ -690,14 +692,14 @@ class EngineSupervisor:
 
     # ------------------------------------------------------------ learned profiles
     def _gpu_total(self) -> float | None:
-        facts = self.gpu.facts()
+        facts = self.gpu.facts(self.engine.gpus)
         return facts.total_gib if facts else None
 
     def learned_key(self) -> str:
         """(model, vLLM version, GPU name, GPU count, configured start) → one key."""
         if not self.engine.supervised:
             return ""
-        name, count = self.gpu.identity()
+        name, count = self.gpu.identity(self.engine.gpus)
         configured = hashlib.sha256(json.dumps(self.configured_profile.to_dict(),
                                                sort_keys=True).encode()).hexdigest()[:12]
         return (f"{self.engine.model}|{installed_vllm_version()}|{name}|{count}|"
