@@ -1,0 +1,147 @@
+"""Accuracy of ``chandractl diagnose`` on real vLLM log excerpts from public issue threads.
+
+Reads ``tests/fixtures/classify/real_excerpts.jsonl`` (labelled by hand, see the README
+next to it), classifies each excerpt as a paste (no exit status, no readiness history)
+and prints accuracy, the confusion matrix and the false memory calls: excerpts whose
+true class is not a memory class but which were classified as one (a false memory call
+makes chandrad shrink a profile that was never the problem).
+
+    .venv/bin/python bench/diagnose_holdout.py                 # the hold-out split
+    .venv/bin/python bench/diagnose_holdout.py --split dev --misses
+    .venv/bin/python bench/diagnose_holdout.py --split all --json
+
+The hold-out split is chosen by a hash of the source URL and is never used to tune the
+classifier: ``--misses`` refuses it, so its individual errors are not looked at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chandrad.engine.classify import FailureClass, classify
+
+DATA = Path(__file__).resolve().parent.parent / "tests/fixtures/classify/real_excerpts.jsonl"
+
+MEMORY_CLASSES = frozenset(
+    {
+        FailureClass.CUDA_OOM_LOAD,
+        FailureClass.KV_CACHE_INSUFFICIENT,
+        FailureClass.FRAGMENTATION,
+        FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH,
+        FailureClass.CUDA_OOM_RUNTIME,
+        FailureClass.HOST_OOM,
+    }
+)
+ORDER = [c for c in FailureClass]
+SHORT = {
+    FailureClass.CUDA_OOM_LOAD: "load",
+    FailureClass.KV_CACHE_INSUFFICIENT: "kv",
+    FailureClass.FRAGMENTATION: "frag",
+    FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH: "gmu",
+    FailureClass.CUDA_OOM_RUNTIME: "run",
+    FailureClass.HOST_OOM: "host",
+    FailureClass.OTHER_FATAL: "other",
+    FailureClass.NONE: "none",
+}
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one split scored."""
+
+    split: str
+    total: int
+    correct: int
+    false_memory_calls: int
+    confusion: dict[tuple[FailureClass, FailureClass], int]
+    misses: list[tuple[str, FailureClass, FailureClass]]
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "split": self.split,
+            "total": self.total,
+            "correct": self.correct,
+            "accuracy": round(self.accuracy, 4),
+            "false_memory_calls": self.false_memory_calls,
+            "confusion": [
+                {"true": t.value, "predicted": p.value, "count": n}
+                for (t, p), n in sorted(self.confusion.items())
+            ],
+        }
+
+
+def load(split: str, path: Path = DATA) -> list[dict[str, Any]]:
+    """The excerpts of one split ("dev", "holdout" or "all")."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if split == "all" or r["split"] == split]
+
+
+def evaluate(split: str, path: Path = DATA) -> Report:
+    """Classify every excerpt of ``split`` and count."""
+    confusion: Counter[tuple[FailureClass, FailureClass]] = Counter()
+    misses: list[tuple[str, FailureClass, FailureClass]] = []
+    correct = false_memory = 0
+    rows = load(split, path)
+    for row in rows:
+        truth = FailureClass(row["label"])
+        got = classify(row["text"]).cls
+        confusion[(truth, got)] += 1
+        if got is truth:
+            correct += 1
+        else:
+            misses.append((row["id"], truth, got))
+        if truth not in MEMORY_CLASSES and got in MEMORY_CLASSES:
+            false_memory += 1
+    return Report(split, len(rows), correct, false_memory, dict(confusion), misses)
+
+
+def render(report: Report) -> str:
+    """Accuracy line, false memory calls and the confusion matrix (rows: truth)."""
+    lines = [
+        f"split={report.split} n={report.total} correct={report.correct} "
+        f"accuracy={report.accuracy:.3f} false_memory_calls={report.false_memory_calls}",
+        "",
+        "true\\predicted " + " ".join(f"{SHORT[c]:>5}" for c in ORDER),
+    ]
+    for t in ORDER:
+        cells = [report.confusion.get((t, p), 0) for p in ORDER]
+        if any(cells):
+            lines.append(f"{SHORT[t]:>15} " + " ".join(f"{n:>5}" for n in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--split", choices=["holdout", "dev", "all"], default="holdout")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--misses", action="store_true", help="list misclassified excerpts (not for holdout)"
+    )
+    args = parser.parse_args(argv)
+    if args.misses and args.split != "dev":
+        print("--misses is for the dev split only: the hold-out is never tuned on", file=sys.stderr)
+        return 2
+    report = evaluate(args.split)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(render(report))
+    if args.misses:
+        print()
+        for rid, truth, got in report.misses:
+            print(f"MISS {rid}: true={truth.value} got={got.value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
