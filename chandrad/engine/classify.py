@@ -11,25 +11,41 @@ How it decides, in order of strength:
    logged at INFO, DEBUG or WARNING never proves a failure: vLLM prints plenty of
    benign lines that mention memory, KV cache and even OOM hints.
 2. vLLM's own failure messages (templates in ``vllm/v1/core/kv_cache_utils.py``,
-   ``vllm/v1/worker/utils.py``, ``gpu_worker.py``, ``gpu_model_runner.py``) name
-   their class directly: KV cache insufficient, free memory below the requested
-   utilisation, memory profiling error, OOM while warming up / loading.
-3. A device OOM (PyTorch's caching-allocator message, a raw CUDA/HIP "out of
-   memory" error, cuBLAS/NCCL allocation failures) is ``fragmentation`` when the
-   allocator's own figures say so (reserved-but-unallocated U ≥ requested R and
-   U ≥ 256 MiB, or U ≥ 1 GiB), otherwise ``cuda_oom_runtime`` when the engine was
-   ready or the log shows it was serving, otherwise ``cuda_oom_load``.
+   ``vllm/v1/worker/utils.py``, ``gpu_worker.py``, ``gpu_model_runner.py``, and V0's
+   ``worker/worker.py``) name their class directly: KV cache insufficient, free memory
+   below the requested utilisation, memory profiling error, OOM while warming up /
+   loading. A KV message cut off by the paste is still known by the frame that raises it
+   (``_check_enough_kv_cache_memory``, ``raise_if_cache_size_invalid``) or by V0's INFO
+   line just before it (``# GPU blocks: 0``, a negative KV budget).
+3. A device OOM, in any of its wordings (PyTorch's caching-allocator message old and new,
+   ``torch.OutOfMemoryError``, driver ``CUDA_ERROR_OUT_OF_MEMORY``, runtime
+   ``cudaErrorMemoryAllocation`` / "CUDA runtime error (2) : out of memory", "CUDA
+   driver error: out of memory", cuBLAS/cuDNN/NCCL allocation failures, a per-process
+   fraction's "would exceed allowed memory", and a message the paste cut off on its
+   last line, "CUDA out of"), is ``fragmentation`` when the allocator's own figures say
+   so (reserved-but-unallocated U ≥ requested R and U ≥ 256 MiB, or U ≥ 1 GiB),
+   otherwise ``cuda_oom_runtime`` or ``cuda_oom_load`` by phase. The phase is the
+   readiness history when there is one; in a pasted excerpt it is inferred from the
+   frames and messages around the error: start-up work (weights loading, profile run,
+   ``determine_available_memory``, KV cache allocation, warm-up, CUDA graph capture,
+   V0's ``CacheEngine``) against the serving loop (``run_busy_loop``, V0's
+   ``run_engine_loop``/``_log_task_completion``, sleep-mode ``wake_up``, request
+   handlers, throughput lines). With both present the marker nearest the error wins.
    An OOM reported *through* NCCL ("Cuda failure 'out of memory'") is a device
    allocation failure, not a communication fault: restarting with the same memory
    settings would fail the same way, so it joins the OOM classes (subclass
    ``nccl_oom``) and gets the same remedies.
-4. Host memory exhaustion (kernel OOM killer, "Killed", SIGKILL exit,
-   ``DefaultCPUAllocator`` / ``MemoryError`` / ``std::bad_alloc``) is ``host_oom``.
-   A bare SIGKILL exit counts only when nothing else explains the death.
+4. Host memory exhaustion (kernel OOM killer, Ray's memory monitor, "Killed", a shell's
+   "line N: PID Killed", exit 137/-9, ``DefaultCPUAllocator`` / ``MemoryError`` /
+   ``std::bad_alloc``) is ``host_oom``. A bare SIGKILL counts only when nothing else
+   explains the death and nobody was stopping the engine on purpose.
 5. Other fatal errors (NCCL, illegal memory access, ECC/Xid, driver mismatch,
-   address in use, model not found, unsupported architecture, no device, any other
-   final exception) are ``other_fatal`` with a finer ``subclass``; a non-zero exit
-   with no evidence at all is ``other_fatal``/``exited``.
+   address in use, model not found, unsupported architecture, no device, kernel
+   resources, other CUDA errors, crashes, a dead engine core, any other final
+   exception) are ``other_fatal`` with a finer ``subclass``; a non-zero exit with no
+   evidence at all is ``other_fatal``/``exited``.
+
+Measured on real excerpts from public issue threads: tests/fixtures/classify/README.md.
 """
 
 from __future__ import annotations
@@ -223,12 +239,30 @@ def _is_fragmentation(n: dict[str, float]) -> bool:
 _I = re.IGNORECASE
 
 # vLLM's own failure messages.
-_KV_NO_MEMORY = re.compile(r"No available memory for the cache blocks", _I)
+_KV_NO_MEMORY = re.compile(
+    r"No available memory for the cache"
+    # SGLang, where chandrad's engine may be wrapped: the same condition in its words.
+    r"|(?:no|not enough) (?:GPU |device )?memory (?:left )?for (?:the )?KV cache"
+    r"|Not enough memory\. Please try to increase --mem-fraction-static",
+    _I,
+)
 _KV_MAX_SEQ = re.compile(
-    r"To serve at least one request with the model'?s max seq len"
+    # "model's", "models's" (0.8.x) and "model s" after a paste mangled the quote.
+    r"To serve at least one request with the models?'?s? max seq len"
+    r"|KV cache is needed, which is larger than the available KV cache memory"
     r"|max seq len \(\d[\d,]*\) is larger than the maximum number of tokens that can be stored"
     r"|larger than the maximum number of tokens that can be stored in KV cache"
     r"|estimated maximum model length is \d",
+    _I,
+)
+# The frames that raise only the KV-cache errors: enough when the paste cut the message off.
+_KV_FRAMES = re.compile(r"\b_?check_enough_kv_cache_memory\b|\braise_if_cache_size_invalid\b", _I)
+# V0 logs the block count (INFO) just before raising: zero blocks, a negative KV budget or
+# room for less than one request is the same failure even when the traceback was cut.
+_KV_INFO = re.compile(
+    r"# (?:GPU|CUDA) blocks: 0\b"
+    r"|reserved for KV Cache is -\d"
+    r"|Maximum concurrency for [\d,]+ tokens per request: 0\.\d+x",
     _I,
 )
 _GMU = re.compile(
@@ -245,20 +279,37 @@ _LOAD_OOM_VLLM = re.compile(
 )
 _DEVICE_OOM = re.compile(
     r"(?:CUDA|HIP|XPU|NPU|MPS|GPU|device)\s+(?:error:?\s*)?out of memory"
+    # Driver/runtime/allocator wordings: "CUDA driver error: out of memory", "CUDA runtime
+    # error (2) : out of memory", "CUDA failed with error out of memory", "CUDA Error: out
+    # of memory at .../cumem_allocator.cpp", "cudaError error: 2 (out of memory)",
+    # "cudaMalloc failed: out of memory".
+    r"|\b(?:CUDA|HIP|cuda\w*|hip\w*)\b[^\n]{0,40}?\b(?:error|failed|failure)\b[^\n]{0,24}?"
+    r"\bout of memory\b"
     r"|OutOfMemoryError"
-    r"|cudaErrorMemoryAllocation"
+    r"|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY"
     r"|hipErrorOutOfMemory"
     r"|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|HIPBLAS_STATUS_ALLOC_FAILED"
     r"|Cuda failure (?:\d+ )?'?out of memory|Failed to CUDA (?:c|m)alloc"
+    # PyTorch with a per-process memory fraction set.
+    r"|Allocation on device \d+ would exceed allowed memory"
     r"|\bOOM\b.*(?:Tried|trying) to allocate"
     r"|Tried to allocate .*(?:total capacity|reserved by PyTorch)",
+    _I,
+)
+# The paste stopped inside an out-of-memory message ("RuntimeError: CUDA out of",
+# "torch.OutOfMe"): checked on the last line of the text only.
+_DEVICE_OOM_CUT = re.compile(
+    r"\b(?:CUDA|HIP|XPU|NPU)(?: (?:driver |runtime )?error:?)?"
+    r" ou(?:t(?: (?:o(?:f(?: m\w*)?)?)?)?)?$"
+    r"|\bOutOfMe\w*$",
     _I,
 )
 _NCCL_CONTEXT = re.compile(r"NCCL|Cuda failure", _I)
 # Ray's OutOfMemoryError is about the *host* running out of RAM.
 _RAY_HOST_OOM = re.compile(
-    r"ray\.exceptions\.OutOfMemoryError|node (?:is )?running low on memory"
-    r"|Memory on the node .* was .* when",
+    r"ray\.exceptions\.OutOfMe|node (?:is )?running low on memory"
+    r"|Memory on the node .* was .* (?:when|exceeds the memory usage threshold)"
+    r"|Ray killed this worker|killed due to memory pressure",
     _I,
 )
 _HOST_OOM = re.compile(
@@ -268,14 +319,24 @@ _HOST_OOM = re.compile(
     r"|\bstd::bad_alloc\b"
     r"|^MemoryError\b"
     r"|Cannot allocate memory"
-    r"|killed by the (?:kernel )?OOM killer",
+    r"|killed by (?:the )?(?:\S+ ){0,3}OOM[- ]?killer"
+    r"|\bOOMKilled\b",
     _I,
 )
 _KILLED = re.compile(
-    r"^Killed(?:\s+.*)?$"
+    r"^Killed(?:\s+.*)?$|\bKilled$"
+    # bash reporting a child it lost: "./entrypoint.sh: line 28:  7 Killed   cmd ..."
+    r"|\bline \d+:\s+\d+ Killed\b"
     r"|(?:exit ?code|exitcode|exit status|returncode)[=: ]+(?:-9|137)\b"
-    r"|(?:killed by |received |terminated by )signal (?:9|SIGKILL)\b"
-    r"|\bSIGKILL\b",
+    r"|\bexit(?:ed)?(?: with)?(?: exit)? (?:code|status)[=: ]+(?:-9|137)\b"
+    r"|(?:killed by |received |terminated by )signal (?:9|SIGKILL)\b",
+    _I,
+)
+# A bare "SIGKILL" is host memory only when nobody was stopping the engine on purpose.
+_SIGKILL = re.compile(r"\bSIGKILL\b", _I)
+_REQUESTED_STOP = re.compile(
+    r"\bSIG(?:TERM|INT)\b|signal (?:15|2)\b|\[shutdown\]|Shutting down|shutdown complete"
+    r"|KeyboardInterrupt|\bStopping\b",
     _I,
 )
 
@@ -389,11 +450,49 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
         True,
     ),
     (
-        re.compile(r"\b(?:CUDA|HIP|cuda|hip) ?(?:error|Error)\b:", 0),
+        re.compile(r"\bOutOfResources\b|out of resource: shared memory", _I),
+        "kernel_resources",
+        True,
+    ),
+    (
+        re.compile(r"\b(?:CUDA|HIP|Cuda|cuda|hip)[ _]?(?:error|Error|ERROR)\b", 0),
         "cuda_error",
         True,
     ),
+    (
+        re.compile(
+            r"Fatal Python error|\bSIGABRT\b|\bSIGSEGV\b|Segmentation fault|core dumped"
+            r"|terminate called after throwing",
+            _I,
+        ),
+        "crash",
+        True,
+    ),
+    (
+        re.compile(
+            r"EngineCore encountered a fatal error|EngineCore failed to start"
+            r"|Engine core initialization failed|Engine process failed to start"
+            r"|WorkerProc failed to start|WorkerProc hit an exception"
+            r"|MQLLMEngine is already dead|Engine loop has died|\bEngineDeadError\b"
+            r"|Background loop has errored|Task finished unexpectedly"
+            r"|got fatal signal from worker processes",
+            _I,
+        ),
+        "engine_died",
+        True,
+    ),
+    (
+        re.compile(
+            r"(?:exited|died)\b[^\n]{0,30}?(?:exit )?(?:code|status)[=: ]+(?!0\b|-9\b|137\b)-?\d+",
+            _I,
+        ),
+        "exited",
+        True,
+    ),
 )
+
+# other_fatal subclasses that a requested shutdown also produces.
+_AFTER_STOP_BENIGN = frozenset({"engine_died", "exited", "crash"})
 
 # A Python exception at the start of a cleaned line: "ValueError: ...", "torch.X: ...".
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit)\b:?")
@@ -412,26 +511,50 @@ _STARTUP_FAILED = re.compile(
     r"|Error (?:while|when) (?:loading|initializing)",
     _I,
 )
+# The engine reached serving: a log line printed only once it was ready.
+_READY_MARKS = re.compile(
+    r"init engine \(profile, create kv cache, warmup model\) took"
+    r"|Application startup complete|Uvicorn running on|Started server process"
+    r"|Starting vLLM API server|Available routes are|Avg prompt throughput|Running: \d+ reqs"
+    r"|\"(?:POST|GET) /v1/\S* HTTP/[\d.]+\" \d{3}|Processed prompts|Adding requests",
+    _I,
+)
+# Frames and messages of start-up: loading weights, profiling, sizing and allocating the KV
+# cache, warming up, capturing CUDA graphs (V1 and V0 names; SGLang's where vLLM wraps it).
 _LOAD_FRAMES = re.compile(
     r"\b(?:load_model|load_weights|_load_weights|profile_run|_dummy_run|_dummy_sampler_run"
     r"|_dummy_pooler_run|determine_available_memory|determine_num_available_blocks"
     r"|capture_model|_capture_cudagraphs|compile_or_warm_up_model|initialize_kv_cache"
     r"|_initialize_kv_caches|init_device|initialize_from_config|init_worker"
     r"|_init_executor|load_model_weights|profile_cudagraph_memory|make_layers"
-    r"|initialize_model|_initialize_model|get_model|warming_up_model)\b"
-    r"|Loading model weights|Loading safetensors|Memory profiling|Capturing CUDA graph",
+    r"|initialize_model|_initialize_model|get_model|warming_up_model"
+    r"|weight_loader|create_weights|process_weights_after_loading|_allocate_kv_cache"
+    r"|CacheEngine|init_cache_engine|initialize_cache|_init_cache|from_engine_args"
+    r"|from_vllm_config|run_mp_engine|init_memory_pool|_init_kv_cache)\b"
+    r"|\w*dummy\w*|warm(?:ing)?[_ ]?up"
+    r"|Loading model weights|Loading safetensors|Memory profiling|Capturing CUDA graph"
+    r"|Starting profile run",
     _I,
 )
-_RUNTIME_FRAMES = re.compile(
-    r"\b(?:execute_model|execute_model_async|engine_step|run_engine_loop|step_fn|run_busy_loop"
-    r"|_process_engine_step|start_worker_execution_loop|wake_up|output_handler"
-    r"|_run_engine|step_async|sample_tokens)\b|serving_\w+\.py|starlette/|fastapi/"
-    r"|Engine loop is not running"
-    r"|Error in model execution|EngineDeadError|Engine loop has died"
-    r"|Avg prompt throughput|Running: \d+ reqs|Application startup complete"
-    r"|Uvicorn running on|Starting vLLM API server|\"(?:POST|GET) /v1/\S* HTTP/[\d.]+\" 500"
-    r"|500 Internal Server Error",
+# Frames and messages of serving: the engine loop, request handling, sleep-mode wake-up.
+_SERVING_FRAMES = re.compile(
+    r"\b(?:execute_model_async|engine_step|run_engine_loop|step_fn|run_busy_loop"
+    r"|_process_engine_step|step_with_batch_queue|start_worker_execution_loop|wake_up"
+    r"|resume|output_handler|_run_engine|step_async|sample_tokens|_log_task_completion"
+    r"|_raise_exception_on_finish|forward_thread_func|event_loop_(?:normal|overlap)"
+    r"|forward_batch_generation|err_execute_model_input|AsyncEngineDeadError"
+    r"|MQEngineDeadError|EngineDeadError)\b"
+    r"|serving_\w+\.py|starlette/|fastapi/|async_llm_engine\.py:\d+\]"
+    r"|Engine loop is not running|Engine loop has died|Engine background task failed"
+    r"|Background loop has errored|Error in model execution|Dumping scheduler output"
+    r"|Internal Server Error|inference error",
     _I,
+)
+# Weak, used only when nothing above is in the text: the model forward runs in the profile
+# run too but mostly while serving; a KV cache already sized means profiling is over (the
+# start-up steps left, warm-up and graph capture, print markers of their own).
+_WEAK_SERVING = re.compile(
+    r"\bexecute_model\b|# (?:GPU|CUDA) blocks: [1-9]|GPU KV cache size: [1-9]", _I
 )
 
 _ACTIONS: dict[FailureClass, str] = {
@@ -525,17 +648,41 @@ def _device_oom_hits(lines: Sequence[_Line]) -> list[int]:
             continue
         if _DEVICE_OOM.search(ln.text):
             out.append(i)
+    if not out:
+        last = next((k for k in range(len(lines) - 1, -1, -1) if lines[k].text), -1)
+        if (
+            last >= 0
+            and not lines[last].benign_level
+            and _DEVICE_OOM_CUT.search(lines[last].text)
+            and not _RAY_HOST_OOM.search(lines[last].text)
+        ):
+            out.append(last)
     return out
 
 
 def _phase_is_runtime(lines: Sequence[_Line], oom_index: int, was_ready: bool) -> bool:
+    """Was the engine serving when the device ran out of memory?
+
+    Without the readiness history (a pasted excerpt) the frames and messages around the
+    error decide: start-up work (weights, profile run, KV cache sizing, warm-up) against
+    the serving loop. With both in the text, the marker nearest the error wins.
+    """
     if was_ready:
         return True
     if any(_STARTUP_FAILED.search(ln.raw) for ln in lines):
         return False
-    if any(_LOAD_FRAMES.search(ln.raw) for ln in lines):
-        return False
-    return any(_RUNTIME_FRAMES.search(ln.raw) for ln in lines)
+    load: list[int] = []
+    serving: list[int] = []
+    for k, ln in enumerate(lines):
+        if _READY_MARKS.search(ln.raw) or _SERVING_FRAMES.search(ln.raw):
+            serving.append(k)
+        elif _LOAD_FRAMES.search(ln.raw):
+            load.append(k)
+    if load and serving:
+        return min(abs(k - oom_index) for k in serving) < min(abs(k - oom_index) for k in load)
+    if load or serving:
+        return bool(serving)
+    return any(_WEAK_SERVING.search(ln.raw) for ln in lines)
 
 
 def _kv_numbers(text: str) -> dict[str, float]:
@@ -574,6 +721,10 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     i = _find(lines, _KV_NO_MEMORY)
     if i < 0:
         i = _find(lines, _KV_MAX_SEQ)
+    if i < 0:
+        i = _find(lines, _KV_FRAMES, any_level=True)
+    if i < 0 and not _device_oom_hits(lines):
+        i = _find(lines, _KV_INFO, any_level=True)
     if i >= 0:
         text = _window(lines, i)
         return _make(FailureClass.KV_CACHE_INSUFFICIENT, lines[i], _kv_numbers(text))
@@ -619,9 +770,12 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         if i >= 0:
             return _make(FailureClass.HOST_OOM, lines[i], {})
 
-    # 4. Other fatal errors with a known cause.
+    # 4. Other fatal errors with a known cause. An engine dying or exiting after a
+    #    requested shutdown (SIGTERM/SIGINT) is the shutdown's consequence, not a failure.
+    stop = _find(lines, _SHUTDOWN_SIGNAL, any_level=True)
+    before_stop = lines[:stop] if stop >= 0 else lines
     for pattern, sub, restartable in _OTHER:
-        i = _find(lines, pattern)
+        i = _find(before_stop if sub in _AFTER_STOP_BENIGN else lines, pattern)
         if i >= 0:
             return _make(
                 FailureClass.OTHER_FATAL, lines[i], {}, subclass=sub, restartable=restartable
@@ -629,13 +783,14 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
 
     # 5. Killed with nothing else to say: the kernel's OOM killer is the usual sender.
     i = _find(lines, _KILLED, any_level=True)
+    if i < 0 and not any(_REQUESTED_STOP.search(ln.text) for ln in lines):
+        i = _find(lines, _SIGKILL, any_level=True)
     if i >= 0 or exit_code in (-9, 137):
         killed = lines[i] if i >= 0 else None
         return _make(FailureClass.HOST_OOM, killed, {}, subclass="sigkill")
 
     # 6. Any other final exception, or a non-zero exit. Exceptions after a requested
     #    shutdown (SIGTERM/SIGINT) are its consequences (EngineDeadError), not a failure.
-    stop = _find(lines, _SHUTDOWN_SIGNAL, any_level=True)
     last_exc = -1
     for k, ln in enumerate(lines[: stop if stop >= 0 else None]):
         if (
@@ -713,6 +868,7 @@ _TRIGGER = re.compile(
         for p in (
             _KV_NO_MEMORY,
             _KV_MAX_SEQ,
+            _KV_FRAMES,
             _GMU,
             _LOAD_OOM_VLLM,
             _DEVICE_OOM,
