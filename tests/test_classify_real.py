@@ -1,0 +1,202 @@
+"""``chandractl diagnose`` on real vLLM log excerpts it was not written from (issue 8 part 2).
+
+tests/fixtures/classify/real_excerpts.jsonl holds 153 excerpts quoted from public issue
+threads, labelled by hand (guide: the README next to it) and split by a hash of the source
+URL. The dev split was used to generalise the classifier and must classify exactly; the
+hold-out split was never tuned on, so only its score is pinned here: it may not drop below
+what the classifier achieved when it was frozen, and no non-memory failure may be called a
+memory failure (that would make the daemon shrink a profile that was never the problem).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from chandrad.engine.classify import FailureClass, LineScanner, classify
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench() -> ModuleType:
+    """bench/diagnose_holdout.py, loaded by path (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "diagnose_holdout", REPO / "bench" / "diagnose_holdout.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+DEV: list[dict[str, Any]] = BENCH.load("dev")
+
+#: Hold-out score of the classifier as frozen (commit "Diagnosis generalises"): 50 of 53.
+#: Before that work the same split scored 46/53. Raise it only with a better classifier
+#: that was not tuned on the hold-out's misses.
+HOLDOUT_CORRECT = 50
+
+#: Dev excerpts the classifier is known to get wrong, with the reason. Strict: fixing one
+#: makes its test fail until it is removed from here.
+KNOWN_DEV_MISSES = {
+    # Not a vLLM log: a user's own loop around CTranslate2, with no engine frame to tell
+    # serving from start-up; classified load, truly runtime.
+    "ctranslate2-1458": "no vLLM frame places the OOM in serving",
+}
+
+
+def test_splits_are_fixed_by_url_hash() -> None:
+    """The split is a function of the source URL (so nobody can move an excerpt by hand)."""
+    import hashlib
+
+    rows = BENCH.load("all")
+    assert len(rows) >= 150
+    for row in rows:
+        bucket = int(hashlib.sha256(row["source"].encode()).hexdigest(), 16) % 3
+        assert row["split"] == ("holdout" if bucket == 0 else "dev"), row["id"]
+        assert row["source"].startswith("https://github.com/"), row["id"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            c,
+            id=c["id"],
+            marks=[pytest.mark.xfail(reason=KNOWN_DEV_MISSES[c["id"]], strict=True)]
+            if c["id"] in KNOWN_DEV_MISSES
+            else [],
+        )
+        for c in DEV
+    ],
+)
+def test_dev_excerpt(case: dict[str, Any]) -> None:
+    """Every dev excerpt classifies to its hand label."""
+    d = classify(case["text"])
+    assert d.cls is FailureClass(case["label"]), (case["source"], d)
+    assert (d.evidence == "") == (d.cls is FailureClass.NONE)
+
+
+def test_holdout_does_not_regress() -> None:
+    """Hold-out accuracy stays at or above the frozen figure, with no false memory call."""
+    report = BENCH.evaluate("holdout")
+    assert report.total == 53
+    assert report.correct >= HOLDOUT_CORRECT, BENCH.render(report)
+    assert report.false_memory_calls == 0, BENCH.render(report)
+
+
+def test_no_false_memory_call_anywhere() -> None:
+    """No excerpt of either split with a non-memory label is called a memory failure."""
+    assert BENCH.evaluate("all").false_memory_calls == 0
+
+
+# --------------------------------------------------------------------------- the kinds of miss
+# Short texts in the wordings that the real excerpts showed; each failed before the change.
+
+
+@pytest.mark.parametrize(
+    ("text", "label"),
+    [
+        # V0: the OOM surfaces through the async engine's task-completion callback: serving.
+        (
+            'File "/usr/local/lib/python3.10/dist-packages/vllm/engine/async_llm_engine.py", '
+            "line 52, in _log_task_completion\n    return_value = task.result()\n"
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+            FailureClass.CUDA_OOM_RUNTIME,
+        ),
+        # V1 serving loop.
+        (
+            'File "/opt/vllm/vllm/v1/engine/core.py", line 708, in run_busy_loop\n'
+            'File "/opt/vllm/vllm/v1/worker/gpu_model_runner.py", line 1312, in execute_model\n'
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB.",
+            FailureClass.CUDA_OOM_RUNTIME,
+        ),
+        # Sleep mode: waking up is serving, whatever the allocator says.
+        (
+            'File "/opt/vllm/vllm/v1/worker/gpu_worker.py", line 105, in wake_up\n'
+            "RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:62",
+            FailureClass.CUDA_OOM_RUNTIME,
+        ),
+        # Start-up: the profile run, through the V0 cache engine's sizing.
+        (
+            'File "/vllm/worker/worker.py", line 229, in determine_num_available_blocks\n'
+            "    self.model_runner.profile_run()\n"
+            'File "/vllm/worker/model_runner.py", line 1371, in execute_model\n'
+            "RuntimeError: CUDA out of memory. Tried to allocate 1.53 GiB",
+            FailureClass.CUDA_OOM_LOAD,
+        ),
+        # Driver and runtime wordings.
+        ("RuntimeError: CUDA driver error: out of memory", FailureClass.CUDA_OOM_LOAD),
+        (
+            "RuntimeError: CUDA error: CUDA_ERROR_OUT_OF_MEMORY\nwhile loading weights",
+            FailureClass.CUDA_OOM_LOAD,
+        ),
+        (
+            "RuntimeError: cudaErrorMemoryAllocation: out of memory in load_weights",
+            FailureClass.CUDA_OOM_LOAD,
+        ),
+        # Cut off mid-sentence by the paste.
+        ("ERROR 05-01 [core.py:400] RuntimeError: CUDA out of", FailureClass.CUDA_OOM_LOAD),
+        # V0's KV error with the message cut off: its INFO line just before tells.
+        (
+            "INFO 02-20 12:00:01 executor_base.py:110] # CUDA blocks: 0, # CPU blocks: 4096\n"
+            "ERROR 02-20 12:00:01 engine.py:389] ",
+            FailureClass.KV_CACHE_INSUFFICIENT,
+        ),
+        # vLLM 0.8's typo in the KV message.
+        (
+            "ValueError: To serve at least one request with the models's max seq len (32768), "
+            "(4.00 GiB KV cache is needed, which is larger than the available KV cache memory",
+            FailureClass.KV_CACHE_INSUFFICIENT,
+        ),
+        # Ray's memory monitor and a shell reporting the engine it lost: host RAM.
+        (
+            "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on "
+            "memory.",
+            FailureClass.HOST_OOM,
+        ),
+        ("./start.sh: line 12:    57 Killed    python -m vllm.entrypoints", FailureClass.HOST_OOM),
+        # Not memory at all.
+        (
+            "ERROR [core.py:862] EngineCore encountered a fatal error.\n"
+            "RuntimeError: Worker failed with error 'shape mismatch'",
+            FailureClass.OTHER_FATAL,
+        ),
+        (
+            "triton.runtime.errors.OutOfResources: out of resource: shared memory, "
+            "Required: 147456, Hardware limit: 101376.",
+            FailureClass.OTHER_FATAL,
+        ),
+        (
+            "Fatal Python error: Aborted\n\nThread 0x00007f (most recent call first):",
+            FailureClass.OTHER_FATAL,
+        ),
+        # A launcher stopping the engine on purpose: SIGKILL after SIGTERM is not the OOM killer.
+        (
+            "INFO Stopping pid 4242 with SIGTERM\nINFO Stopping pid 4242 with SIGKILL",
+            FailureClass.NONE,
+        ),
+    ],
+)
+def test_generalised_wordings(text: str, label: FailureClass) -> None:
+    assert classify(text).cls is label, classify(text)
+
+
+def test_engine_death_after_requested_shutdown_is_none() -> None:
+    """EngineDeadError after SIGTERM is the shutdown's consequence, not an engine_died fault."""
+    lines = [
+        "INFO 11-29 15:48:20 [launcher.py:80] Shutting down FastAPI HTTP server.",
+        "INFO 11-29 15:48:25 [api_server.py:1] received signal SIGTERM",
+        "ERROR 11-29 15:48:26 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    ]
+    scanner = LineScanner()
+    assert all(scanner.feed(line) is None for line in lines)
+    assert scanner.finish(0, True).cls is FailureClass.NONE
