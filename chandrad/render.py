@@ -29,13 +29,14 @@ import asyncio
 import contextlib
 import functools
 import io
+import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -61,6 +62,8 @@ from chandrad.errors import (
 IMAGE_FORMATS = frozenset({"PNG", "JPEG", "GIF", "WEBP", "TIFF", "BMP", "MPO"})
 #: Formats whose extra frames are pages. Animated GIF/WEBP frames are not pages.
 MULTIPAGE_FORMATS = frozenset({"TIFF"})
+#: Greyscale modes wider than 8 bits (16-bit, 32-bit integer, float); see _wide_grey_to_l.
+WIDE_GREY_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
 #: Largest decoded size of one image embedded in a PDF (bytes at its own depth).
 #: A 35000 x 35000 1-bit scan is 153 MB and renders fine; 1 GiB is ~18900^2 RGB.
 MAX_PDF_IMAGE_BYTES = 1 << 30
@@ -285,7 +288,27 @@ def _render_pdf_page(path: Path, index: int, min_side_px: int, max_pixels: int) 
         doc.close()
 
 
+def _wide_grey_to_l(img: Image.Image) -> Image.Image:
+    """16-bit, 32-bit integer or float greyscale → 8-bit ``L``, stretched from the frame's own
+    darkest to its lightest value (``convert("RGB")`` would clip them to 0..255: a blank page).
+
+    Min/max rather than bit depth: the depth a file declares is often not the range it
+    uses (12-bit sensors in 16-bit containers, float data in arbitrary units), and OCR
+    needs the contrast. A frame of one value is white.
+    """
+    grey = img.convert("F")
+    lo, hi = cast(tuple[float, float], grey.getextrema())  # one band: (min, max)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise InputError(f"{img.mode} image has non-finite pixel values (NaN or infinity)")
+    if hi <= lo:
+        return Image.new("L", img.size, 255)
+    scale = 255.0 / (hi - lo)
+    return grey.point(lambda v: v * scale - lo * scale).convert("L")
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode in WIDE_GREY_MODES:
+        img = _wide_grey_to_l(img)
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

@@ -249,6 +249,53 @@ def test_multipage_tiff_pages_differ_and_index_is_checked() -> None:
         render_page(path, 3, MIN_SIDE, MAX_PIXELS)
 
 
+def _grey_page(mode: str, ink: float, paper: float) -> Image.Image:
+    """A page in ``mode``: ``paper`` everywhere, an ``ink`` square at the top left."""
+    img = Image.new("F", (1100, 1100), paper)
+    img.paste(ink, (0, 0, 300, 300))
+    if mode == "F":
+        return img
+    as_int = img.convert("I")
+    return as_int if mode == "I" else as_int.convert(mode)
+
+
+@pytest.mark.parametrize(("mode", "fmt", "ink", "paper"), [
+    ("I;16", "TIFF", 1000, 60000),  # 16-bit scan using the whole range
+    ("I;16", "PNG", 300, 4000),  # 12-bit sensor data in a 16-bit container
+    ("I", "TIFF", 70_000, 2_000_000),  # 32-bit integer
+    ("F", "TIFF", 0.05, 0.9),  # float, 0..1
+])
+def test_wide_greyscale_is_rescaled_not_clipped(
+    tmp_path: Path, mode: str, fmt: str, ink: float, paper: float
+) -> None:
+    """16-bit, 32-bit and float greyscale reach the model with their ink black and their
+    paper white (convert("RGB") clipped them all to one value: a blank page)."""
+    img = _grey_page(mode, ink, paper)
+    path = tmp_path / f"grey.{fmt.lower()}"
+    img.save(path, format=fmt)
+    with Image.open(path) as check:
+        assert check.mode == mode  # the file really is that wide
+    page = render_page(path, 0, MIN_SIDE, MAX_PIXELS)
+    with Image.open(io.BytesIO(page.png)) as out:
+        grey = out.convert("L")
+        ink_px, paper_px = grey.getpixel((50, 50)), grey.getpixel((page.width - 50, 800))
+    assert ink_px == 0 and paper_px == 255, (ink_px, paper_px)
+
+
+def test_wide_greyscale_of_one_value_is_white_and_nan_is_refused(tmp_path: Path) -> None:
+    """A frame of one value carries no contrast to stretch: a white page. Float pixels that
+    are not numbers cannot be scaled: a clear InputError, not a silently blank page."""
+    flat = tmp_path / "flat.tif"
+    Image.new("I;16", (1100, 1100), 40000).save(flat)
+    page = render_page(flat, 0, MIN_SIDE, MAX_PIXELS)
+    with Image.open(io.BytesIO(page.png)) as out:
+        assert out.convert("L").getextrema() == (255, 255)
+    nan = tmp_path / "nan.tif"
+    _grey_page("F", float("nan"), 0.5).save(nan)
+    with pytest.raises(errors.InputError, match="non-finite"):
+        render_page(nan, 0, MIN_SIDE, MAX_PIXELS)
+
+
 def test_small_image_is_upscaled_to_min_side(tmp_path: Path) -> None:
     """An image smaller than min_side_px is upscaled so its shortest side reaches it."""
     path = tmp_path / "small.png"
