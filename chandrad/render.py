@@ -32,6 +32,7 @@ import io
 import math
 import multiprocessing
 import os
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -316,9 +317,56 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def _render_image_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
-    img = _open_image(path)
+_FileKey = tuple[str, int, int, int, int]
+#: The multi-frame image this worker process rendered a page of last, kept open with the
+#: identity of its file: Pillow remembers the offset of every frame it has walked past, so
+#: the next page of the same TIFF is one seek instead of a walk from frame 1 (a 4,000-page
+#: TIFF cost ~n^2/2 frame-header reads otherwise). One entry per worker: pages of a file
+#: come in order, and a file moved to done/ is let go when the next file is opened.
+_kept: tuple[_FileKey, Image.Image] | None = None
+
+
+def _file_key(path: Path) -> _FileKey:
+    st = os.stat(path)
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _let_go() -> None:
+    global _kept
+    if _kept is not None:
+        _kept[1].close()
+        _kept = None
+
+
+@contextlib.contextmanager
+def _multiframe_aware_open(path: Path) -> Iterator[Image.Image]:
+    """``_open_image(path)``, reusing this worker's open image when it is the same file
+    (same path, inode, size and mtime); a multi-frame image stays open afterwards unless
+    rendering it failed."""
+    global _kept
     try:
+        key = _file_key(path)
+    except OSError as exc:
+        raise InputError(f"{path.name}: cannot read: {exc.strerror or exc}") from exc
+    if _kept is not None and _kept[0] == key:
+        img = _kept[1]
+    else:
+        _let_go()
+        img = _open_image(path)
+    _kept = None
+    try:
+        yield img
+    except BaseException:
+        img.close()
+        raise
+    if img.format in MULTIPAGE_FORMATS:
+        _kept = (key, img)
+    else:
+        img.close()
+
+
+def _render_image_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
+    with _multiframe_aware_open(path) as img:
         pages = _image_pages(img)
         if not 0 <= index < pages:
             raise InputError(f"{path.name}: page {index + 1} does not exist ({pages} pages)")
@@ -343,11 +391,9 @@ def _render_image_page(path: Path, index: int, min_side_px: int, max_pixels: int
                 f"{path.name}: page {index + 1} image data cannot be decoded "
                 f"(truncated or corrupt): {exc}"
             ) from exc
-        if rgb.size != (width, height):
-            rgb = rgb.resize((width, height), Image.Resampling.LANCZOS)
-        return _final(index, rgb, max_pixels)
-    finally:
-        img.close()
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), Image.Resampling.LANCZOS)
+    return _final(index, rgb, max_pixels)
 
 
 def render_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:

@@ -296,6 +296,60 @@ def test_wide_greyscale_of_one_value_is_white_and_nan_is_refused(tmp_path: Path)
         render_page(nan, 0, MIN_SIDE, MAX_PIXELS)
 
 
+def _read_syscalls() -> int:
+    """read(2) calls this process has made so far (Linux /proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("syscr:"):
+            return int(line.split()[1])
+    raise AssertionError("no syscr in /proc/self/io")
+
+
+def _many_frame_tiff(path: Path, frames: int) -> Path:
+    pages = [Image.new("L", (40, 40), 255 - (i % 200)) for i in range(frames)]
+    pages[0].save(path, save_all=True, append_images=pages[1:])
+    return path
+
+
+def test_pages_of_a_long_tiff_do_not_each_walk_its_frames(tmp_path: Path) -> None:
+    """Rendering page k of an n-frame TIFF after page k-1 costs a few reads, not a walk over
+    the n frame headers (a 4,000-page TIFF took ~n^2/2 header reads). Counted in read(2)
+    calls, which the machine's load does not change."""
+    frames = 400
+    path = _many_frame_tiff(tmp_path / "long.tif", frames)
+    render_page(path, 0, 56, MAX_PIXELS)
+    before = _read_syscalls()
+    for index in range(frames - 10, frames):
+        render_page(path, index, 56, MAX_PIXELS)
+    per_page = (_read_syscalls() - before) / 10
+    assert per_page < frames / 10, f"{per_page:.0f} reads per page of a {frames}-frame TIFF"
+
+
+def test_kept_tiff_matches_a_fresh_open_and_follows_a_replaced_file(tmp_path: Path) -> None:
+    """Pages rendered from the image a worker keeps open are the pages a fresh open gives;
+    a file replaced at the same path (new inode) or rewritten in place is read anew."""
+    path = tmp_path / "doc.tif"
+    _many_frame_tiff(path, 30)
+    kept = [render_page(path, i, 56, MAX_PIXELS).png for i in (29, 3, 17)]
+    fresh_dir = tmp_path / "fresh"
+    fresh_dir.mkdir()
+    fresh = [render_page(_many_frame_tiff(fresh_dir / f"{i}.tif", 30), i, 56, MAX_PIXELS).png
+             for i in (29, 3, 17)]
+    assert kept == fresh
+
+    other = tmp_path / "other.tif"
+    pages = [Image.new("L", (40, 40), 10 + i) for i in range(30)]
+    pages[0].save(other, save_all=True, append_images=pages[1:])
+    other.replace(path)  # new inode at the same path
+    with Image.open(io.BytesIO(render_page(path, 17, 56, MAX_PIXELS).png)) as out:
+        assert out.convert("L").getpixel((5, 5)) == 27
+    pages = [Image.new("L", (40, 40), 100 + i) for i in range(31)]
+    with path.open("r+b") as fh:  # same inode, new content and size
+        fh.truncate(0)
+        pages[0].save(fh, format="TIFF", save_all=True, append_images=pages[1:])
+    with Image.open(io.BytesIO(render_page(path, 30, 56, MAX_PIXELS).png)) as out:
+        assert out.convert("L").getpixel((5, 5)) == 130
+
+
 def test_small_image_is_upscaled_to_min_side(tmp_path: Path) -> None:
     """An image smaller than min_side_px is upscaled so its shortest side reaches it."""
     path = tmp_path / "small.png"
