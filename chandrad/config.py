@@ -573,21 +573,69 @@ def _control(r: _Reader, base: Path, daemon: DaemonConfig) -> ControlConfig:
     return cfg
 
 
+def _covers(root: Path, recursive: bool, target: Path) -> bool:
+    """Whether a watch on ``root`` sees ``target``: equal, or below it when recursive
+    (a subfolder of a non-recursive watch is never scanned)."""
+    return target == root or (recursive and root in target.parents)
+
+
 def _cross_checks(
     watches: list[WatchConfig], problems: list[ConfigProblem], loc: _Locator, file: str
 ) -> None:
-    """Output/done/failed inside an input root would be re-ingested: refuse."""
-    for i, w in enumerate(watches):
-        root = w.input.resolve()
-        for name in ("output", "done", "failed"):
-            target = getattr(w, name).resolve()
-            # A subfolder of a non-recursive watch is never scanned, so only == matters there.
-            if target == root or (w.recursive and root in target.parents):
-                key = f"watch[{i}].{name}"
-                problems.append(ConfigProblem(
-                    key, f"{target} is inside the watched input {root}; its files would be "
-                    "taken as new input. Put it beside the input folder", file,
-                    loc.line(key), "config_range"))
+    """Refuse folders that would make a watch take files that are not new input.
+
+    Compared after resolving, over every pair of watches (a watch with itself included):
+
+    * an output/done/failed folder that a watch's input covers: the outputs, or inputs
+      already finished, would be ingested again as new documents;
+    * an input that another watch's input covers (the same folder, or inside a recursive
+      one): one file would belong to two watches;
+    * an input inside another watch's output/done/failed folder: it would ingest that
+      watch's outputs or finished inputs.
+    """
+    roots = [w.input.resolve() for w in watches]
+    homes = [{name: getattr(w, name).resolve() for name in ("output", "done", "failed")}
+             for w in watches]
+
+    def add(key: str, message: str) -> None:
+        problems.append(ConfigProblem(key, message, file, loc.line(key), "config_range"))
+
+    def where(i: int, name: str) -> str:
+        line = loc.line(f"watch[{i}].{name}")
+        return f"watch[{i}].{name}" + (f" (line {line})" if line else "")
+
+    order = range(len(watches))
+    for j, folders in enumerate(homes):
+        for name, target in folders.items():
+            # Its own input first, so that one folder gets one problem.
+            seen_by = [i for i in (j, *order) if _covers(roots[i], watches[i].recursive, target)]
+            if seen_by:
+                i = seen_by[0]
+                owner = "" if i == j else f" of {where(i, 'input')}"
+                add(f"watch[{j}].{name}",
+                    f"{target} is inside the watched input {roots[i]}{owner}; its files would "
+                    "be taken as new input. Put it beside the input folder")
+    for i, (w, root) in enumerate(zip(watches, roots, strict=True)):
+        holders = [(j, name, target) for j, folders in enumerate(homes)
+                   for name, target in folders.items() if target in root.parents]
+        if holders:
+            j, name, target = holders[0]
+            add(f"watch[{i}].input", f"{root} is inside {target}, the {name} folder of "
+                f"{where(j, name)}; its files would be taken as new input")
+            continue
+        for j in range(i):
+            if roots[j] == root:
+                add(f"watch[{i}].input", f"{root} is already watched by {where(j, 'input')}; "
+                    "a folder can have only one watch")
+                break
+            if _covers(roots[j], watches[j].recursive, root):
+                add(f"watch[{i}].input", f"{root} is inside {roots[j]}, watched recursively "
+                    f"by {where(j, 'input')}; its files would belong to both watches")
+                break
+            if _covers(root, w.recursive, roots[j]):
+                add(f"watch[{j}].input", f"{roots[j]} is inside {root}, watched recursively "
+                    f"by {where(i, 'input')}; its files would belong to both watches")
+                break
 
 
 def key_line(text: str, dotted: str) -> int | None:

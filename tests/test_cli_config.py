@@ -94,6 +94,22 @@ def test_check_config_bad_config_one_line_per_problem(tmp_path: Path) -> None:
     assert "tokens per KV block" in by_key["engine.memory.block_size"]
 
 
+def test_check_config_overlapping_watches_exit_78(tmp_path: Path) -> None:
+    """A second watch on the same input, and one whose output lies in the first watch's
+    input, are config errors with key and line (the first was silently ignored)."""
+    path = _config(tmp_path, extra=(f'[[watch]]\ninput = "{tmp_path}/in"\n'
+                                    f'output = "{tmp_path}/in/ocr"\n'))
+    done = _chandrad("check-config", "--config", str(path))
+    assert done.returncode == 78, done.stdout + done.stderr
+    lines = sorted(done.stderr.strip().splitlines())
+    assert lines == [
+        f"{path}:13: watch[1].input: {tmp_path}/in is already watched by watch[0].input "
+        "(line 4); a folder can have only one watch",
+        f"{path}:14: watch[1].output: {tmp_path}/in/ocr is inside the watched input "
+        f"{tmp_path}/in; its files would be taken as new input. Put it beside the input folder",
+    ], lines
+
+
 def test_check_config_missing_file_exit_78(tmp_path: Path) -> None:
     """A config path that does not exist is a config error, not a crash."""
     done = _chandrad("check-config", "--config", str(tmp_path / "missing.toml"))

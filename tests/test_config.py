@@ -317,6 +317,70 @@ def test_subfolder_output_allowed_when_not_recursive(tmp_path: Path) -> None:
     assert cfg.watch[0].output == Path("/srv/in/out")
 
 
+TWO_WATCHES = ('[[watch]]\ninput = "/srv/a/in"\n'  # lines 1-2
+               '[[watch]]\ninput = "{input}"\n'  # lines 3-4
+               '{extra}')
+
+
+def _two(tmp_path: Path, input: str, extra: str = "") -> list[ConfigProblem]:
+    return _problems(tmp_path, TWO_WATCHES.format(input=input, extra=extra))
+
+
+@pytest.mark.parametrize("name", ["output", "done", "failed"])
+def test_folder_inside_another_watch_input_refused(tmp_path: Path, name: str) -> None:
+    """watch[1]'s output/done/failed inside watch[0]'s input: watch[0] would ingest them."""
+    [problem] = _two(tmp_path, "/srv/b/in", f'{name} = "/srv/a/in/sub/{name}"\n')
+    assert (problem.key, problem.line, problem.code) == (f"watch[1].{name}", 5, "config_range")
+    assert "inside the watched input /srv/a/in of watch[0].input (line 2)" in problem.message
+
+
+def test_default_output_inside_another_watch_input_refused(tmp_path: Path) -> None:
+    """watch[1] on /srv/a/in/x gets the default output /srv/a/in/output: inside watch[0]'s
+    input twice over (the nested input is refused too)."""
+    problems = _two(tmp_path, "/srv/a/in/x")
+    keys = {p.key: p for p in problems}
+    assert set(keys) == {"watch[1].input", "watch[1].output", "watch[1].done",
+                         "watch[1].failed"}, problems
+    assert keys["watch[1].output"].line == 3  # no output key: its [[watch]] table
+    assert "both watches" in keys["watch[1].input"].message
+
+
+def test_duplicate_input_refused(tmp_path: Path) -> None:
+    """Two watches on one folder (any spelling): refused, naming both; exit 78."""
+    [problem] = _two(tmp_path, "/srv/a/x/../in/", 'output = "/srv/b/out"\n'
+                                                   'done = "/srv/b/done"\nfailed = "/srv/b/f"\n')
+    assert (problem.key, problem.line) == ("watch[1].input", 4)
+    assert "already watched by watch[0].input (line 2)" in problem.message
+
+
+def test_input_inside_recursive_input_refused_beside_non_recursive_allowed(
+    tmp_path: Path
+) -> None:
+    """A subfolder of a recursive watch is already watched; of a non-recursive one it is not."""
+    folders = 'output = "/srv/b/out"\ndone = "/srv/b/done"\nfailed = "/srv/b/f"\n'
+    [problem] = _two(tmp_path, "/srv/a/in/sub", folders)
+    assert problem.key == "watch[1].input" and "both watches" in problem.message
+    text = TWO_WATCHES.format(input="/srv/a/in/sub", extra=folders).replace(
+        'input = "/srv/a/in"\n', 'input = "/srv/a/in"\nrecursive = false\n', 1)
+    cfg = config.load_config(_write(tmp_path, text))
+    assert [w.input for w in cfg.watch] == [Path("/srv/a/in"), Path("/srv/a/in/sub")]
+
+
+def test_input_inside_another_watch_done_refused(tmp_path: Path) -> None:
+    """An input inside watch[0]'s done/ would OCR every finished input again."""
+    [problem] = _two(tmp_path, "/srv/a/done/again", 'output = "/srv/b/out"\n'
+                                                     'done = "/srv/b/done"\n'
+                                                     'failed = "/srv/b/f"\n')
+    assert (problem.key, problem.line) == ("watch[1].input", 4)
+    assert "the done folder of watch[0].done" in problem.message
+
+
+def test_separate_watches_accepted(tmp_path: Path) -> None:
+    """Two watches with their own folders side by side are fine (shared output is too)."""
+    cfg = config.load_config(_write(tmp_path, TWO_WATCHES.format(input="/srv/a/in2", extra="")))
+    assert cfg.watch[0].output == cfg.watch[1].output == Path("/srv/a/output")
+
+
 def test_sibling_with_common_prefix_is_not_inside(tmp_path: Path) -> None:
     """/srv/in-done is beside /srv/in, not inside it (path, not string, comparison)."""
     cfg = config.load_config(_write(tmp_path, f'{WATCH}done = "/srv/in-done"\n'))
