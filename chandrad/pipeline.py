@@ -15,6 +15,7 @@ restart resumes at page granularity and outputs are rebuilt from the store.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import os
@@ -336,26 +337,17 @@ class Pipeline:
             attempt += 1
             if isinstance(outcome, ocr.PageResult):
                 result = outcome
-                saved = self._save_images(job, index, result.images)
                 self.store.finish_page(
                     job.id, index, width=width, height=height,
                     seconds=time.monotonic() - t0,
                     result={"markdown": result.markdown, "html": result.html,
-                            "blocks": result.blocks, "images": saved, "attempts": attempt})
+                            "blocks": result.blocks, "images": _encode_images(result.images),
+                            "attempts": attempt})
                 return _PageOutcome(True)
             last_error = f"{outcome} after {attempt} attempt(s)"
             if attempt <= cfg.retries:
                 self.store.release_page(job.id, index)
         return _PageOutcome(False, f"retries exhausted: {last_error}")
-
-    def _save_images(self, job: Job, index: int, images: dict[str, bytes]) -> list[str]:
-        if not images or not self.config.ocr.include_images:
-            return []
-        out_dir = self._output_dir(job)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, data in images.items():
-            outputs.atomic_write(out_dir / name, data)
-        return sorted(images)
 
     def _output_dir(self, job: Job) -> Path:
         watch = self.config.watch[job.watch_index]
@@ -406,6 +398,23 @@ def _reply_text(reply: dict[str, Any]) -> tuple[str, str | None]:
     return str(message.get("content") or ""), choice.get("finish_reason")
 
 
+def _encode_images(images: dict[str, bytes]) -> dict[str, str]:
+    """Image crops as they are kept in the page result: file name → base64.
+
+    The crops stay with their page in the store until ``outputs.write_document`` writes
+    the document, so they land in the directory it claims (beside the Markdown that links
+    to them), name clashes between pages are resolved in one place, and a restart
+    rebuilds them from the store like the text.
+    """
+    return {name: base64.b64encode(data).decode("ascii") for name, data in images.items()}
+
+
+def _decode_images(stored: Any) -> dict[str, bytes]:
+    if not isinstance(stored, dict):  # a result written before crops were stored
+        return {}
+    return {str(name): base64.b64decode(data) for name, data in stored.items()}
+
+
 def _page_output(page: Any) -> outputs.PageOutput:
     result = page.result or {}
     return outputs.PageOutput(
@@ -418,5 +427,5 @@ def _page_output(page: Any) -> outputs.PageOutput:
         markdown=result.get("markdown", ""),
         html=result.get("html", ""),
         blocks=result.get("blocks", []),
-        images={},
+        images=_decode_images(result.get("images")),
     )
