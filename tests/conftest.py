@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_model, cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _cache_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny Idefics3 model directory, built once and reused across sessions."""
-    return build_tiny_model(_cache_root() / "idefics3")
+    return build_tiny_model(cache_dir(_cache_root()))
 
 
 @pytest.fixture(scope="session")

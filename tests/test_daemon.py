@@ -7,8 +7,10 @@ on two cores); the crash test restarts it, the last test stops it with SIGTERM.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -177,7 +179,11 @@ def drop(src: Path, inbox: Path, name: str | None = None) -> Path:
 
 
 def test_good_corpus_produces_every_output(daemon: DaemonUnderTest, corpus_dir: Path) -> None:
-    """Every good file → .md, .html, .json (one entry per source page), metadata; input in done/."""
+    """Every good file → .md, .html, .json (one entry per source page), metadata; input in done/.
+
+    The stand-in answers every page with a Chandra layout page (tiny_model.PLANTED_TEXT):
+    its Figure block becomes an image crop beside the document that the .md and .html link
+    to, its table and math reach both, and its page footer is dropped."""
     rows = [r for r in corpus_manifest() if r["file"].startswith("good/")]
     t0 = time.monotonic()
     for row in rows:
@@ -185,26 +191,44 @@ def test_good_corpus_produces_every_output(daemon: DaemonUnderTest, corpus_dir: 
     names = {Path(r["file"]).name for r in rows}
     jobs = daemon.wait_jobs_finished(names, timeout=1800)
     elapsed = time.monotonic() - t0
-    total_pages = 0
+    total_pages = total_images = 0
     for row in rows:
         name = Path(row["file"]).name
         stem = Path(name).stem
         job = jobs[name]
-        assert job["state"] in ("done", "partial"), job
+        assert job["state"] == "done", job
         out = daemon.output / stem
         for suffix in (".md", ".html", ".json", "_metadata.json"):
             assert (out / f"{stem}{suffix}").is_file(), (name, suffix, list(out.iterdir()))
+        assert not list(daemon.output.glob(f"{glob.escape(stem)} (*")), "a second output dir"
         doc = json.loads((out / f"{stem}.json").read_text())
         pages = int(row["pages"])
         assert [p["page"] for p in doc["pages"]] == list(range(1, pages + 1)), name
         for p in doc["pages"]:
-            assert p["status"] in ("ok", "failed")
+            assert p["status"] == "ok"
             assert p["width"] > 0 and p["height"] > 0
+            labels = [b["label"] for b in p["blocks"]]
+            assert {"Figure", "Table", "Equation-Block"} <= set(labels), labels
+        meta = json.loads((out / f"{stem}_metadata.json").read_text())
+        assert [p["num_images"] for p in meta["pages"]] == [1] * pages, name
+        markdown = (out / f"{stem}.md").read_text()
+        html = (out / f"{stem}.html").read_text()
+        links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", markdown)
+        sources = re.findall(r'<img [^>]*src="([^"]+)"', html)
+        assert len(links) == len(sources) == pages and set(links) == set(sources), name
+        crops = {p.name for p in out.glob("*.webp")}
+        assert crops == set(links), (name, crops, links)  # every link resolves, no stray crop
+        assert meta["total_images"] == len(crops) >= 1, name
+        assert markdown.count("<table>") == html.count("<table>") == pages, name
+        assert markdown.count("$$\\int_0^1") == pages and markdown.count("$E = mc^2$") == pages
+        assert html.count('<math display="block">') == pages
+        assert "Tiny model page." in markdown and "Page 1" not in markdown  # footer dropped
         assert (daemon.done / name).is_file()
         assert not (daemon.inbox / name).exists()
         total_pages += pages
-    print(f"\n{len(rows)} files, {total_pages} pages in {elapsed:.1f}s "
-          f"({total_pages / elapsed:.2f} pages/s end to end)")
+        total_images += meta["total_images"]
+    print(f"\n{len(rows)} files, {total_pages} pages, {total_images} image crops in "
+          f"{elapsed:.1f}s ({total_pages / elapsed:.2f} pages/s end to end)")
 
 
 def test_bad_corpus_fails_with_reasons_or_is_processed(
@@ -347,6 +371,34 @@ def test_reload_refuses_invalid_config_and_keeps_the_old(daemon: DaemonUnderTest
         daemon.config.write_text(original)
     status = daemon.ctl_json("status")
     assert status["daemon"]["state"] == "running" and status["engine"]["state"] == "ready"
+
+
+def test_page_cut_at_max_output_tokens_is_retried_then_failed(
+    daemon: DaemonUnderTest, corpus_dir: Path
+) -> None:
+    """With ocr.max_output_tokens below the stand-in's answer, every try ends with
+    finish_reason "length": the page is retried (ocr.retries = 1), then marked failed in the
+    JSON, and the job ends partial with its input in done/. The reload needs no engine restart."""
+    original = daemon.config.read_text()
+    name = "cut-short.png"
+    try:
+        daemon.config.write_text(original.replace("max_output_tokens = 48",
+                                                  "max_output_tokens = 16"))
+        reloaded = json.loads(daemon.ctl("reload", "--wait", "--json").stdout)
+        assert reloaded["engine_restart"] is False
+        drop(corpus_dir / "good/image_hi-devanagari.png", daemon.inbox, name)
+        jobs = daemon.wait_jobs_finished({name})
+    finally:
+        daemon.config.write_text(original)
+        daemon.ctl("reload", "--wait")
+    assert jobs[name]["state"] == "partial", jobs[name]
+    stem = Path(name).stem
+    doc = json.loads((daemon.output / stem / f"{stem}.json").read_text())
+    [page] = doc["pages"]
+    assert page["status"] == "failed" and "length after 2 attempt(s)" in page["error"], page
+    meta = json.loads((daemon.output / stem / f"{stem}_metadata.json").read_text())
+    assert meta["pages_failed"] == 1 and meta["total_images"] == 0
+    assert (daemon.done / name).is_file()
 
 
 def test_reload_with_engine_change_restarts_engine_with_new_settings(

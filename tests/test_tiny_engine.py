@@ -15,7 +15,15 @@ from typing import Any
 
 import httpx
 import pytest
-from tiny_model import HEAD_DIM, MARKER, PLANTED_TEXT, build_tiny_model
+from tiny_model import (
+    FINGERPRINT,
+    HEAD_DIM,
+    MARKER,
+    PLANTED_ANSWER,
+    PLANTED_TEXT,
+    PLANTED_TOKENS,
+    build_tiny_model,
+)
 
 STARTUP_TIMEOUT_S = 600.0  # seen 75 s idle, 325 s on a loaded 2-core box
 STOP_TIMEOUT_S = 30.0
@@ -155,3 +163,51 @@ def test_engine_serves_an_image_chat(engine: Engine, corpus_dir: Path) -> None:
     text_only = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120).json()
     # the image became <image> tokens, so its prompt is longer than the text alone
     assert answer["usage"]["prompt_tokens"] > text_only["usage"]["prompt_tokens"]
+
+
+@pytest.mark.engine
+def test_engine_answers_chandra_layout_and_stops_at_max_tokens(
+    engine: Engine, corpus_dir: Path
+) -> None:
+    """The planted answer survives Chandra's hottest retry sampling, and a max_tokens below
+    its length cuts it with finish_reason "length" (what chandrad retries, then fails)."""
+    png = (corpus_dir / "good" / "image_hi-devanagari.png").read_bytes()
+    image_url = "data:image/png;base64," + base64.b64encode(png).decode()
+    body: dict[str, Any] = {
+        "model": "chandra",
+        "max_tokens": 48,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url}},
+                    {"type": "text", "text": "OCR this image to HTML."},
+                ],
+            }
+        ],
+    }
+    hot = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert hot["choices"][0]["finish_reason"] == "stop"
+    assert hot["choices"][0]["message"]["content"] == PLANTED_TEXT
+    assert hot["usage"]["completion_tokens"] == PLANTED_TOKENS + 1  # and <end_of_utterance>
+
+    body["max_tokens"] = 16  # the smallest ocr.max_output_tokens chandrad accepts
+    cut = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["choices"][0]["message"]["content"] == "".join(PLANTED_ANSWER[:16])
+
+
+def test_stale_build_is_replaced(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A build of another recipe (its marker holds another fingerprint, or none) is rebuilt,
+    so changing tiny_model.py never leaves tests on a stale cached model."""
+    assert tiny_model_dir.name.endswith(FINGERPRINT)
+    assert (tiny_model_dir / MARKER).read_text().strip() == FINGERPRINT
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / MARKER).write_text("ok\n")  # what builds before the fingerprint wrote
+    (stale / "config.json").write_text("{}")
+    assert build_tiny_model(stale) == stale
+    assert (stale / MARKER).read_text().strip() == FINGERPRINT
+    assert (stale / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()

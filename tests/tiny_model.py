@@ -4,8 +4,15 @@ Owns: the model's shape (SPEC §8), its BPE tokenizer, chat template and process
 and the idempotent on-disk build (`build_tiny_model`). Nothing is downloaded: the weights
 are random with a fixed seed and the tokenizer is trained here on a built-in text. A few
 weights are planted so that, after the chat template's generation prompt, the model answers
-every page with PLANTED_TEXT (one Chandra layout block) and stops (finish_reason "stop");
-`max_tokens` < 4 gives finish_reason "length".
+every page with PLANTED_TEXT and stops (finish_reason "stop"). PLANTED_TEXT is a page in
+Chandra's own output format (chandra-ocr's OCR_LAYOUT_PROMPT): layout blocks
+`<div data-bbox="x0 y0 x1 y1" data-label="...">` (bboxes normalised to 0-1000) with a
+section header, text with inline math, a Figure with an `<img alt=...>` (chandra.output
+crops it from the page), its caption, a table, block math and a page footer. It is
+PLANTED_TOKENS tokens long, so `max_tokens` < PLANTED_TOKENS + 1 gives finish_reason "length"
+(every valid `ocr.max_output_tokens` from 16 up to PLANTED_TOKENS does).
+A build is keyed by FINGERPRINT (a hash of this file): `cache_dir` names the directory after
+it and the build marker records it, so a change here rebuilds instead of reusing a stale model.
 Run as `python tests/tiny_model.py DEST` to build into DEST.
 """
 
@@ -13,6 +20,7 @@ Run as `python tests/tiny_model.py DEST` to build into DEST.
 # mypy: disable-error-code="no-untyped-call"
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 import tempfile
@@ -42,18 +50,41 @@ FAKE_IMAGE, IMAGE, GLOBAL_IMAGE = "<fake_token_around_image>", "<image>", "<glob
 ROW_COL = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 SPECIAL_TOKENS = [PAD, BOS, EOS, FAKE_IMAGE, IMAGE, GLOBAL_IMAGE, *ROW_COL]
 
-# SmolVLM-style template; accepts string content and OpenAI-style content parts.
 # The answer planted in the weights: each piece is one added token, and each token's embedding
 # points at the next one through lm_head, so greedy or sampled decoding after the generation
-# prompt ("Assistant:") yields this Chandra-style layout block and then <end_of_utterance>.
+# prompt ("Assistant:") yields this Chandra layout page and then <end_of_utterance>.
+# Every piece must be unique (a token has one successor) and plain ASCII (the byte-level
+# decoder would mangle other characters of an added token).
 PLANTED_ANSWER = (
-    '<div data-bbox="0 0 1000 1000" data-label="Text">',
-    "<p>Tiny model page.</p>",
-    "</div>",
+    '<div data-bbox="60 40 940 90" data-label="Section-Header">',
+    "<h2>Stand-in report</h2></div>",
+    '\n<div data-bbox="60 110 940 200" data-label="Text">',
+    "<p>Tiny model page.",
+    " The stand-in answers",
+    " in Chandra's layout HTML,",
+    " with inline math",
+    " <math>E = mc^2</math>",
+    ".</p></div>",
+    '\n<div data-bbox="150 230 850 560" data-label="Figure">',
+    '<img alt="A bar chart of pages per second by engine"/></div>',
+    '\n<div data-bbox="150 570 850 610" data-label="Caption">',
+    "<p>Figure 1: throughput of the stand-in.</p></div>",
+    '\n<div data-bbox="60 640 940 800" data-label="Table">',
+    "<table><thead><tr><th>Engine</th><th>Pages</th></tr></thead>",
+    "<tbody><tr><td>vllm-cpu</td><td>117</td></tr>",
+    "<tr><td>vllm</td><td>9000</td></tr></tbody></table></div>",
+    '\n<div data-bbox="60 820 940 900" data-label="Equation-Block">',
+    '<math display="block">\\int_0^1 x^2 \\, dx = \\frac{1}{3}</math></div>',
+    '\n<div data-bbox="60 940 940 980" data-label="Page-Footer">',
+    "<p>Page 1</p></div>",
 )
 PLANTED_TEXT = "".join(PLANTED_ANSWER)
+PLANTED_TOKENS = len(PLANTED_ANSWER)
 PLANTED_SCALE = 8.0
+#: Identifies this recipe: a hash of this file, so any change to it gives a fresh build.
+FINGERPRINT = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
+# SmolVLM-style template; accepts string content and OpenAI-style content parts.
 CHAT_TEMPLATE = (
     "<|begin_of_text|>{% for message in messages %}"
     "{{ message['role'] | capitalize }}"
@@ -118,6 +149,8 @@ def _plant_answer(model: Any, tokenizer: Any) -> None:
     start = tokenizer.encode("Assistant:", add_special_tokens=False)[-1]
     chain = [start, *tokenizer.convert_tokens_to_ids(list(PLANTED_ANSWER))]
     chain.append(tokenizer.convert_tokens_to_ids(EOS))
+    if len(set(chain)) != len(chain) or len(chain) > TEXT_HIDDEN:
+        raise ValueError("PLANTED_ANSWER needs unique pieces, at most TEXT_HIDDEN - 2 of them")
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     with torch.no_grad():
@@ -203,23 +236,37 @@ def _build_into(out: Path) -> None:
     processor.save_pretrained(out)
 
 
+def cache_dir(root: Path) -> Path:
+    """Where the build of this recipe lives under a cache `root` (named by FINGERPRINT)."""
+    return Path(root) / f"idefics3-{FINGERPRINT}"
+
+
+def _is_current(dest: Path) -> bool:
+    """A completed build of this recipe is at `dest` (its marker holds FINGERPRINT)."""
+    try:
+        return (dest / MARKER).read_text().strip() == FINGERPRINT
+    except OSError:
+        return False
+
+
 def build_tiny_model(dest: Path) -> Path:
-    """Build the tiny model into `dest` unless a completed build is already there; return `dest`."""
+    """Build the tiny model into `dest` unless a completed build of this recipe is already
+    there (a build of another recipe is replaced); return `dest`."""
     dest = Path(dest)
-    if (dest / MARKER).is_file():
+    if _is_current(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         _build_into(tmp)
-        (tmp / MARKER).write_text("ok\n")
+        (tmp / MARKER).write_text(f"{FINGERPRINT}\n")
         tmp.chmod(0o755)
         for file in tmp.iterdir():  # safetensors writes 0600; a service user must read it
             file.chmod(0o644)
         if dest.exists():
-            if (dest / MARKER).is_file():  # another process finished first
+            if _is_current(dest):  # another process finished first
                 return dest
-            shutil.rmtree(dest)  # a partial build left by a crash
+            shutil.rmtree(dest)  # a partial build left by a crash, or a stale recipe
         tmp.rename(dest)
     finally:
         if tmp.exists():
