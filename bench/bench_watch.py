@@ -48,7 +48,7 @@ async def run_mode(mode: str, n: int, settle: float, base: Path) -> tuple[float,
     make_files(backlog.input, n, age=3600)
     watcher = FolderWatcher([backlog], seen.append)
     t0 = time.perf_counter()
-    watcher.start()
+    await watcher.start()
     task = asyncio.create_task(watcher.run())
     while len(seen) < n:
         await asyncio.sleep(0.01)
@@ -59,7 +59,7 @@ async def run_mode(mode: str, n: int, settle: float, base: Path) -> tuple[float,
     seen.clear()
     live = cfg("live")
     watcher = FolderWatcher([live], seen.append)
-    watcher.start()
+    await watcher.start()
     task = asyncio.create_task(watcher.run())
     await asyncio.to_thread(make_files, live.input, n, 0)
     t0 = time.perf_counter()

@@ -155,7 +155,7 @@ class Daemon:
                                      group=cfg.control.group)
         await self.control.start()
         self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
-        self.watcher.start()
+        await self.watcher.start()
         self._tasks = [
             asyncio.create_task(self.engine.run(), name="engine"),
             asyncio.create_task(self.pipeline.run(), name="pipeline"),
@@ -335,7 +335,7 @@ class Daemon:
             self.watcher.stop()
             self.watcher = FolderWatcher(new.watch, self._on_settled,
                                          loop=asyncio.get_running_loop())
-            self.watcher.start()
+            await self.watcher.start()
             self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
         self._set_state(previous, "reloaded")
         self.notifier.ready(self.status_line())
@@ -463,7 +463,7 @@ class Daemon:
         assert self.watcher is not None
         if self.pipeline is not None and not self.pipeline.accepting:
             raise ControlError("invalid_state", "draining: no new files are accepted")
-        found = self.watcher.rescan()
+        found = await self.watcher.rescan()
         return {"candidates": found}
 
 

@@ -7,9 +7,14 @@ each settled file to a callback on the event-loop thread and knows nothing about
 store: de-duplication here only stops flooding (an unchanged file is reported once).
 
 Threading: watchdog threads only forward raw events to the loop with
-``call_soon_threadsafe``; every piece of state lives on the loop thread. File I/O
-for many files (scans, settle probes) runs in ``asyncio.to_thread`` workers that
-touch no shared state.
+``call_soon_threadsafe``; every piece of state lives on the loop thread. Anything that
+walks or stats a folder runs in ``asyncio.to_thread`` workers that touch no shared
+state: scans, settle probes, and arming and disarming observers (watchdog takes an
+inotify observer's recursive watches, and a polling observer's first full snapshot, on
+the thread that starts it, and stopping one joins its emitter mid-snapshot; on a large
+or hung network share either would stall the event loop, and with it the control
+socket and the systemd watchdog). Polling snapshots use ``lstat``: a symlink is never
+followed, so a link loop below the root costs one entry, not an exponential walk.
 
 Must not import the store, the pipeline or any other adapter.
 """
@@ -23,6 +28,7 @@ import functools
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +50,7 @@ from watchdog.events import (
 )
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.inotify import InotifyObserver
-from watchdog.observers.polling import PollingObserver
+from watchdog.observers.polling import PollingObserverVFS
 
 from chandrad.config import WatchConfig
 
@@ -260,14 +266,17 @@ class FolderWatcher:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Arm the observers and run the start-up scan. Call on the event-loop thread."""
+    async def start(self) -> None:
+        """Arm the observers and run the start-up scan, in worker threads.
+
+        Call on the event-loop thread; the loop keeps serving other tasks meanwhile.
+        """
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         self._stopped = False
         for r in self._roots:
-            self._arm(r)
-        self.rescan()
+            await self._arm(r)
+        await self.rescan()
         self._next_health = time.monotonic() + self._health_interval
 
     async def run(self) -> None:
@@ -280,15 +289,24 @@ class FolderWatcher:
                 if now >= r.next_rescan and not self._stopped:
                     await self._rescan_async(r)
             if now >= self._next_health:
-                self._check_health()
-                self._next_health = now + self._health_interval
+                await self._check_health()
+                self._next_health = time.monotonic() + self._health_interval
             await asyncio.sleep(self._tick)
 
     def stop(self) -> None:
-        """Stop the observers; ``run()`` returns at its next tick."""
+        """Stop the observers; ``run()`` returns at its next tick.
+
+        Does not block: the observers are stopped and joined by a background thread
+        (a polling observer finishes its current snapshot first). Events they still
+        deliver are ignored.
+        """
         self._stopped = True
+        observers = [r.observer for r in self._roots if r.observer is not None]
         for r in self._roots:
-            self._disarm(r)
+            r.observer = None
+        if observers:
+            threading.Thread(target=_stop_observers, args=(observers,), name="watch-disarm",
+                             daemon=True).start()
 
     def describe(self) -> list[dict[str, Any]]:
         """Per root: path, effective mode and why, whether an observer is alive, backlog."""
@@ -331,11 +349,12 @@ class FolderWatcher:
             return None
         return st
 
-    def rescan(self) -> int:
-        """Scan every root now (blocking); returns how many files were newly taken up."""
+    async def rescan(self) -> int:
+        """Scan every root now (in a worker thread); returns how many files were newly taken up."""
         new = 0
         for r in self._roots:
-            new += self._merge(r, _collect(r, r.root), full=True)
+            found = await asyncio.to_thread(_collect, r, r.root)
+            new += self._merge(r, found, full=True)
             r.next_rescan = time.monotonic() + r.cfg.rescan_interval
         return new
 
@@ -476,9 +495,9 @@ class FolderWatcher:
 
     # -- observers -------------------------------------------------------------------
 
-    def _arm(self, r: _Root) -> None:
-        """Start an observer for the root; inotify limits fall back to polling."""
-        r.ident = _ident(r.root)
+    async def _arm(self, r: _Root) -> None:
+        """Start an observer for the root off the loop; inotify limits fall back to polling."""
+        r.ident = await asyncio.to_thread(_ident, r.root)
         if r.ident is None:
             if not r.missing_logged:
                 log.warning("watch_root_missing", watch=r.index, input=str(r.root))
@@ -487,7 +506,7 @@ class FolderWatcher:
         r.missing_logged = False
         if r.mode == "inotify":
             try:
-                r.observer = _start_observer(InotifyObserver(), r, self)
+                r.observer = await self._start_observer(InotifyObserver(), r)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EMFILE):
                     log.warning("watch_arm_failed", watch=r.index, input=str(r.root),
@@ -498,36 +517,45 @@ class FolderWatcher:
                             reason=r.reason)
         if r.mode == "poll":
             try:
-                r.observer = _start_observer(PollingObserver(timeout=r.cfg.poll_interval), r,
-                                             self)
+                r.observer = await self._start_observer(_polling_observer(r.cfg.poll_interval), r)
             except OSError as exc:
                 log.warning("watch_arm_failed", watch=r.index, input=str(r.root),
                             mode=r.mode, error=str(exc))
                 return
+        if r.observer is None:
+            return  # stopped while arming
         log.info("watch_armed", watch=r.index, input=str(r.root), mode=r.mode, reason=r.reason,
                  recursive=r.cfg.recursive)
 
-    def _disarm(self, r: _Root) -> None:
-        observer, r.observer = r.observer, None
-        if observer is None:
-            return
-        try:
-            observer.stop()
-            if observer.is_alive():
-                observer.join(timeout=5.0)
-        except Exception:
-            log.exception("watch_disarm_error", watch=r.index)
+    async def _start_observer(self, observer: BaseObserver, r: _Root) -> BaseObserver | None:
+        """Schedule and start ``observer`` in a worker thread (its first walk runs there).
 
-    def _check_health(self) -> None:
+        Returns None, with the observer stopped again, if the watcher was stopped meanwhile.
+        Raises the ``OSError`` of watchdog's start (inotify limits, missing root).
+        """
+        started = await asyncio.to_thread(_start_observer, observer, r, self)
+        if self._stopped:
+            await asyncio.to_thread(_stop_observers, [started])
+            return None
+        return started
+
+    async def _disarm(self, r: _Root) -> None:
+        observer, r.observer = r.observer, None
+        if observer is not None:
+            await asyncio.to_thread(_stop_observers, [observer])
+
+    async def _check_health(self) -> None:
         """Re-arm a root whose observer died or whose directory was replaced, then rescan."""
         for r in self._roots:
             if self._stopped:
                 return
-            if _alive(r.observer) and _ident(r.root) == r.ident:
+            if _alive(r.observer) and await asyncio.to_thread(_ident, r.root) == r.ident:
                 continue
+            if self._stopped:
+                return
             was_armed = r.observer is not None
-            self._disarm(r)
-            self._arm(r)
+            await self._disarm(r)
+            await self._arm(r)
             if r.observer is not None:
                 log.warning("watch_rearm", watch=r.index, input=str(r.root), mode=r.mode,
                             was_armed=was_armed)
@@ -548,12 +576,34 @@ def _make_root(index: int, cfg: WatchConfig) -> _Root:
     return _Root(index, cfg, root, excluded, mode, reason)
 
 
+def _polling_observer(interval: float) -> BaseObserver:
+    """A polling observer whose snapshots never follow symlinks.
+
+    watchdog's ``PollingObserver`` snapshots with ``os.stat``: a symlink to a directory is
+    walked, so a link loop (``in/a -> .``, ``in/b -> .``) makes every snapshot a walk of
+    2**40 paths. With ``os.lstat`` a link is one entry (and never a candidate anyway).
+    """
+    return PollingObserverVFS(os.lstat, os.scandir, polling_interval=interval)
+
+
 def _start_observer(observer: BaseObserver, r: _Root, watcher: FolderWatcher) -> BaseObserver:
+    """Worker thread: schedule the root and start. The first walk of the tree happens here."""
     observer.daemon = True
     observer.schedule(_Handler(watcher, r.index), str(r.root), recursive=r.cfg.recursive,
                       event_filter=_EVENT_FILTER)
     observer.start()
     return observer
+
+
+def _stop_observers(observers: Iterable[BaseObserver]) -> None:
+    """Worker thread: stop and join observers (joining waits for a snapshot in progress)."""
+    for observer in observers:
+        try:
+            observer.stop()
+            if observer.is_alive():
+                observer.join(timeout=30.0)
+        except Exception:
+            log.exception("watch_disarm_error")
 
 
 def _alive(observer: BaseObserver | None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -72,7 +73,7 @@ async def running(watches: list[WatchConfig], **kw: Any) -> AsyncIterator[tuple[
                                                                               Seen]]:
     seen = Seen()
     watcher = FolderWatcher(watches, seen.add, **kw)
-    watcher.start()
+    await watcher.start()
     task = asyncio.create_task(watcher.run())
     try:
         yield watcher, seen
@@ -315,13 +316,13 @@ def test_rescan_finds_files_the_observer_missed(tmp_path: Path) -> None:
             shutil.copy(PDF, cfg.input / "missed.pdf")
             await asyncio.sleep(1.0)
             assert seen.items == []  # the observer polls once an hour
-            assert watcher.rescan() == 1
+            assert await watcher.rescan() == 1
             await seen.wait(lambda: len(seen.items) >= 1)
-            assert watcher.rescan() == 0
+            assert await watcher.rescan() == 0
             await asyncio.sleep(0.8)
             assert seen.names == ["missed.pdf"]
             os.utime(cfg.input / "missed.pdf")  # changed: worth reporting again
-            assert watcher.rescan() == 1
+            assert await watcher.rescan() == 1
             await seen.wait(lambda: len(seen.items) >= 2)
 
     asyncio.run(main())
@@ -374,7 +375,7 @@ def test_callback_errors_do_not_stop_the_watcher(tmp_path: Path) -> None:
 
     async def main() -> None:
         watcher = FolderWatcher([cfg], flaky)
-        watcher.start()
+        await watcher.start()
         task = asyncio.create_task(watcher.run())
         shutil.copy(PDF, cfg.input / "a.pdf")
         for _ in range(100):
@@ -407,6 +408,7 @@ _FD_STARVED = textwrap.dedent("""
     async def main():
         seen = []
         watcher = FolderWatcher([cfg], seen.append, health_interval=0.2)
+        await asyncio.to_thread(int)  # the worker pool exists before the fds run out
         # Use up every file descriptor: inotify_init() then fails with EMFILE.
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
         hoard = []
@@ -415,7 +417,7 @@ _FD_STARVED = textwrap.dedent("""
                 hoard.append(open("/dev/null"))
         except OSError:
             pass
-        watcher.start()
+        await watcher.start()
         for f in hoard:
             f.close()
         print("mode", watcher.describe()[0]["mode"], flush=True)
@@ -444,3 +446,142 @@ def test_inotify_instance_limit_falls_back_to_polling(tmp_path: Path) -> None:
     lines = [x for x in proc.stdout.splitlines() if x.startswith(("mode ", "armed ", "seen "))]
     assert lines == ["mode poll", "armed True", "seen ['x.pdf']"], proc.stdout + proc.stderr
     assert "watch_fallback_poll" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- the loop is never wedged
+
+_TINY_PDF = b"%PDF-1.4\n1 0 obj <<>> endobj\ntrailer <<>>\n%%EOF\n"
+
+
+def _many_files(root: Path, dirs: int, per_dir: int) -> None:
+    for d in range(dirs):
+        sub = root / f"d{d:03d}"
+        sub.mkdir(parents=True)
+        for i in range(per_dir):
+            (sub / f"f{i:04d}.txt.part").touch()  # ignored names: only the walks cost
+
+
+class Ticker:
+    """A coroutine that ticks every 10 ms and records the longest gap between its ticks."""
+
+    def __init__(self) -> None:
+        self.max_gap = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.max_gap = max(self.max_gap, now - last)
+            last = now
+
+    async def __aenter__(self) -> Ticker:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        await asyncio.sleep(0.02)  # ticking before the code under test runs
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def test_arming_a_large_poll_root_keeps_the_loop_responsive(tmp_path: Path) -> None:
+    """60,000 entries in poll mode: start-up and a health re-arm never stall the loop.
+
+    watchdog's polling observer takes its first full snapshot on the thread that
+    starts it; done on the event loop that was seconds of silence (control socket,
+    systemd watchdog). The root is then replaced by another large one, which the
+    health check re-arms: that must not stall the loop either.
+    """
+    cfg = _watch(tmp_path, mode="poll", poll_interval=3600.0, rescan_interval=3600.0)
+    _many_files(cfg.input, 100, 600)
+    spare = tmp_path / "in.next"
+    _many_files(spare, 100, 600)
+    (spare / "late.pdf").write_bytes(_TINY_PDF)
+    (cfg.input / "early.pdf").write_bytes(_TINY_PDF)
+
+    async def main() -> tuple[float, float, list[str]]:
+        seen = Seen()
+        watcher = FolderWatcher([cfg], seen.add, health_interval=0.2)
+        async with Ticker() as ticker:
+            started = time.monotonic()
+            await watcher.start()
+            arm_s = time.monotonic() - started
+            task = asyncio.create_task(watcher.run())
+            await seen.wait(lambda: len(seen.items) >= 1)
+            old_ident = watcher._roots[0].ident
+            cfg.input.rename(tmp_path / "in.old")
+            spare.rename(cfg.input)  # a new directory at the root's path: re-armed
+            await seen.wait(lambda: len(seen.items) >= 2, timeout=60)
+            assert watcher._roots[0].ident != old_ident
+            assert watcher.describe()[0]["armed"] is True
+            watcher.stop()
+            await asyncio.wait_for(task, 5)
+        return ticker.max_gap, arm_s, seen.names
+
+    max_gap, arm_s, names = asyncio.run(main())
+    print(f"arming 60,000 entries: {arm_s:.2f} s, longest loop gap {max_gap * 1000:.0f} ms")
+    assert names == ["early.pdf", "late.pdf"]
+    assert max_gap < 0.5, f"event loop stalled {max_gap:.2f} s (arming took {arm_s:.2f} s)"
+
+
+_SYMLINK_LOOP = textwrap.dedent("""
+    import asyncio, json, resource, sys, time
+    from pathlib import Path
+    from chandrad.config import WatchConfig
+    from chandrad.watch import FolderWatcher
+
+    # Bounded even when the snapshot explodes: 1.5 GiB of address space at most.
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 29, 3 << 29))
+    tmp = Path(sys.argv[1])
+    cfg = WatchConfig(input=tmp / "in", output=tmp / "out", done=tmp / "done",
+                      failed=tmp / "failed", mode="poll", settle_seconds=0.2,
+                      poll_interval=0.2, rescan_interval=0.5)
+
+    async def main():
+        seen = []
+        watcher = FolderWatcher([cfg], seen.append, health_interval=0.2)
+        started = time.monotonic()
+        await watcher.start()
+        armed_s = time.monotonic() - started
+        task = asyncio.create_task(watcher.run())
+        (cfg.input / "x.pdf").write_bytes(sys.argv[2].encode())
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # a few polls and rescans through the loops
+        print(json.dumps({"armed_s": armed_s, "armed": watcher.describe()[0]["armed"],
+                          "seen": [s.path.name for s in seen]}), flush=True)
+        watcher.stop()
+        await task
+
+    asyncio.run(main())
+""")
+
+
+def test_poll_snapshots_never_follow_symlink_loops(tmp_path: Path) -> None:
+    """Two links to ``.`` in a polled root: arming takes a moment, the file is seen once.
+
+    Following links, each snapshot walks 2**40 paths (ELOOP stops each chain only at
+    40 links): the daemon blocked, then ran out of memory. A child process with a memory
+    cap and a time limit keeps this test bounded either way.
+    """
+    inbox = tmp_path / "in"
+    inbox.mkdir()
+    for name in ("a", "b"):
+        (inbox / name).symlink_to(".")
+    for i in range(20):
+        (inbox / f"note{i}.txt.part").touch()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _SYMLINK_LOOP, str(tmp_path),
+                               _TINY_PDF.decode()],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parent.parent)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the watcher did not arm within 60 s: {exc.stderr!r}") from exc
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["seen"] == ["x.pdf"] and report["armed"] is True, report
+    assert report["armed_s"] < 5.0, report
