@@ -291,6 +291,38 @@ def test_group_member_may_read_not_write(
         assert [c[0] for c in st.daemon.calls] == ["status", "queue"]
 
 
+@pytest.fixture
+def memberless_group() -> Iterator[grp.struct_group]:
+    """A fresh group with no members in the group database; removed afterwards."""
+    name = f"chandrad-s{os.getpid() % 100000}"
+    subprocess.run(["groupadd", name], check=True, capture_output=True)
+    try:
+        yield grp.getgrnam(name)
+    finally:
+        subprocess.run(["groupdel", name], check=False, capture_output=True)
+
+
+def test_supplementary_group_of_the_process_may_read(
+    as_nobody: list[str], public_dir: Path, memberless_group: grp.struct_group
+) -> None:
+    """A client holding the socket's group only as a process supplementary gid may read.
+
+    That is a client unit with ``SupplementaryGroups=chandrad``: the group database does
+    not list the user, but the process holds the gid (setgroups in the child), which is
+    what let it open the 0660 node. ``SO_PEERGROUPS`` tells the server.
+    """
+    gid = memberless_group.gr_gid
+    assert "nobody" not in memberless_group.gr_mem
+    user = ["setpriv", "--reuid=nobody", "--regid=nogroup", f"--groups={gid}"]
+    with ServerThread(public_dir / "c.sock", group=memberless_group.gr_name) as st:
+        proc = ctl(st.path, "status", "--json", user=user)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["daemon"]["state"] == "running"
+        proc = ctl(st.path, "pause", user=user)
+        assert proc.returncode == 4 and "forbidden" in proc.stderr, proc.stderr
+        assert [c[0] for c in st.daemon.calls] == ["status"]
+
+
 def test_daemon_own_uid_may_write(as_nobody: list[str], public_dir: Path) -> None:
     """The daemon's own (non-root) uid has the write tier."""
     nobody_uid = pwd.getpwnam("nobody").pw_uid

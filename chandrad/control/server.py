@@ -9,7 +9,10 @@ Access tiers, decided per connection from the peer's credentials:
 * ``write`` (every command): uid 0 and the daemon's own uid;
 * ``read`` (``status``, ``queue``, ``gpu``, ``version``): members of the socket's group
   (the configured ``control.group``, else the daemon's primary group), by the peer's
-  primary gid or by supplementary membership in the group database;
+  primary gid or one of its supplementary gids — the groups the peer process holds
+  (``SO_PEERGROUPS``), as the kernel saw them at ``connect()``, the same set that let it
+  open the 0660 node; so ``SupplementaryGroups=`` of a client's unit counts. Only on a
+  kernel without ``SO_PEERGROUPS`` (< 4.13) is the group database asked instead;
 * nobody else may do anything, not even read: their requests are answered
   ``forbidden``. (With the default mode 0660 such users cannot even connect.)
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import grp
 import os
@@ -78,10 +82,47 @@ def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def _in_group(uid: int, gid: int, group_gid: int) -> bool:
-    """Whether a peer with ``uid``/primary ``gid`` belongs to ``group_gid``."""
+#: Linux ``SO_PEERGROUPS`` (asm-generic/socket.h); Python does not define the constant.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+#: Linux ``NGROUPS_MAX``: the most supplementary groups a process can hold.
+_NGROUPS_MAX = 65536
+#: ``socket.getsockopt`` refuses buffers over 1024 bytes (256 gids).
+_SMALL_GROUPS = 256
+
+
+def _peer_groups(sock: socket.socket) -> tuple[int, ...] | None:
+    """The connected peer's supplementary gids, or None where the kernel cannot say."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * _SMALL_GROUPS)
+    except OSError as exc:
+        if exc.errno == errno.ERANGE:
+            return _peer_groups_large(sock)
+        if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+            return None
+        raise
+    return struct.unpack(f"={len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+
+
+def _peer_groups_large(sock: socket.socket) -> tuple[int, ...] | None:
+    """``SO_PEERGROUPS`` for a peer with more than 256 groups, through libc directly."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = (ctypes.c_uint32 * _NGROUPS_MAX)()
+    size = ctypes.c_uint32(ctypes.sizeof(buf))
+    if libc.getsockopt(sock.fileno(), socket.SOL_SOCKET, SO_PEERGROUPS, buf,
+                       ctypes.byref(size)) != 0:
+        return None
+    return tuple(buf[: size.value // 4])
+
+
+def _in_group(uid: int, gid: int, groups: tuple[int, ...] | None, group_gid: int) -> bool:
+    """Whether a peer with ``uid``, primary ``gid`` and supplementary ``groups`` is a member.
+
+    ``groups`` None (no ``SO_PEERGROUPS``): fall back to the group database for ``uid``.
+    """
     if gid == group_gid:
         return True
+    if groups is not None:
+        return group_gid in groups
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
@@ -233,10 +274,10 @@ class ControlServer:
                 self.path.unlink()
         self._inode = None
 
-    def _access(self, uid: int, gid: int) -> Access:
+    def _access(self, uid: int, gid: int, groups: tuple[int, ...] | None) -> Access:
         if uid == 0 or uid == self.owner_uid:
             return "write"
-        if _in_group(uid, gid, self._group_gid):
+        if _in_group(uid, gid, groups, self._group_gid):
             return "read"
         return "none"
 
@@ -247,7 +288,8 @@ class ControlServer:
         try:
             sock = writer.get_extra_info("socket")
             pid, uid, gid = _peer_credentials(sock)
-            await self._serve(reader, writer, pid, uid, self._access(uid, gid))
+            access = self._access(uid, gid, _peer_groups(sock))
+            await self._serve(reader, writer, pid, uid, access)
         except ConnectionError:
             pass
         except Exception:
