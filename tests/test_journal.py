@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from chandrad.ctl.journal import SD_MESSAGE_UNIT_RESTART_SCHEDULED, journalctl_argv, run_logs
+from chandrad.ctl.journal import (
+    SD_MESSAGE_UNIT_RESTART_SCHEDULED,
+    analyze,
+    journalctl_argv,
+    parse_entries,
+    run_logs,
+)
 from chandrad.logs import MESSAGE_IDS, configure_logging, get_logger
 
 BASE = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
@@ -289,3 +295,137 @@ def test_journalctl_argv_scopes_to_unit_or_file() -> None:
         "+",
         "UNIT=chandrad.service",
     ]
+
+
+# ------------------------------------------------ JSON lines, cut-off lines, unset knobs
+
+
+def _write_journal(tmp_path: Path, entries: list[tuple[bytes, datetime]]) -> Path:
+    """A real journal file from native payloads, written by systemd-journal-remote."""
+    remote = _journal_remote()
+    _journalctl()
+    out = tmp_path / "remote.journal"
+    export = b"".join(_export_entry(p, t) for p, t in sorted(entries, key=lambda x: x[1]))
+    res = subprocess.run([remote, "-o", str(out), "-"], input=export, capture_output=True)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def _json_lines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fmt: str) -> list[str]:
+    """A downshift and a failed file, logged by our logger as JSON lines on its stream.
+
+    ``fmt`` "json" is ``log_format = "json"``; "journal" with no journald listening is
+    the journal handler's fallback to the stream.
+    """
+    monkeypatch.setenv("CHANDRAD_JOURNAL_SOCKET", str(tmp_path / "no-journald.sock"))
+    stream = io.StringIO()
+    configure_logging(fmt, "info", stream=stream)
+    log = get_logger("chandrad.engine")
+    try:
+        log.error("engine_failure", evidence="ValueError: To serve at least one request",
+                  numbers={"L": 32768, "N": 18000}, **{"class": "kv_cache_insufficient"})
+        log.warning("profile_change", old={"max_model_len": None},
+                    new={"max_model_len": 18000}, reason="vLLM estimated 18000",
+                    **{"class": "kv_cache_insufficient"})
+        log.info("engine_restart", restarts=1)
+        log.error("job_failed", job=7, file="/srv/in/a.pdf", code="encrypted_pdf",
+                  reason="password-protected PDF")
+    finally:
+        configure_logging("json", "info", stream=io.StringIO())
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 4 and all(json.loads(x)["event"] for x in lines)
+    return lines
+
+
+@pytest.mark.parametrize("fmt", ["json", "journal"])
+def test_json_lines_in_the_journal_are_analysed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fmt: str
+) -> None:
+    """JSON lines that journald stored from stderr count like native entries.
+
+    A line cut by journald's LineMax (one more, half an event) is skipped and counted.
+    """
+    lines = _json_lines(monkeypatch, tmp_path, fmt)
+    lines.insert(2, lines[0][: len(lines[0]) // 2])
+    stream_entries = [
+        (b"SYSLOG_IDENTIFIER=chandrad\n_TRANSPORT=stdout\nPRIORITY=6\n"
+         + f"MESSAGE={line}\n".encode(), BASE + timedelta(seconds=i))
+        for i, line in enumerate(lines)
+    ]
+    report = _report(_write_journal(tmp_path, stream_entries))
+    assert report["entries"] == 4
+    assert report["unreadable_lines"] == 1
+    assert report["failures"] == {"kv_cache_insufficient": 1}
+    assert report["restarts"] == 1
+    assert [c["new"] for c in report["profile_changes"]] == [{"max_model_len": 18000}]
+    assert report["failed_files"][0]["code"] == "encrypted_pdf"
+    recs = "\n".join(report["recommendations"])
+    assert "set [engine.memory] max_model_len = 18000" in recs
+    assert "nothing to change" not in recs
+    assert "1 line(s) could not be read" in recs
+
+
+def test_json_lines_file_with_a_cut_off_last_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--file`` on a plain JSON-lines log whose writer was killed mid-line."""
+    lines = _json_lines(monkeypatch, tmp_path, "json")
+    log_file = tmp_path / "chandrad.log"
+    log_file.write_text("\n".join(lines) + "\n" + lines[0][:40], encoding="utf-8")
+    report = _report(log_file)
+    assert report["entries"] == 4 and report["unreadable_lines"] == 1
+    assert report["failures"] == {"kv_cache_insufficient": 1}
+    buf = io.StringIO()
+    assert run_logs(since="2000-01-01T00:00:00Z", unit="chandrad", file=log_file,
+                    as_json=False, out=buf) == 0
+    assert "1 unreadable lines skipped" in buf.getvalue()
+    buf = io.StringIO()
+    assert run_logs(since="1 hour ago", unit="chandrad", file=log_file, as_json=True,
+                    out=buf) == 1
+    assert "ISO time" in buf.getvalue()
+
+
+def test_cut_off_journalctl_output_is_not_fatal(journal_file: Path) -> None:
+    """Real ``journalctl -o json`` output cut in the middle of a line: the rest is analysed."""
+    res = subprocess.run(["journalctl", "--file", str(journal_file), "-o", "json", "-q"],
+                         capture_output=True, text=True, check=True)
+    cut = res.stdout[: len(res.stdout) - 200]
+    parsed = parse_entries(cut)
+    assert parsed.unreadable == 1
+    assert len(parsed.entries) == len(res.stdout.splitlines()) - 1
+    report = analyze(parsed.entries, unreadable=parsed.unreadable)
+    assert report["unreadable_lines"] == 1 and report["failures"]
+
+
+def test_upshift_back_to_an_unset_knob_is_valid_advice(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A learned max_model_len probed back up to the configured (unset) one: no ``None``."""
+    sock_path = tmp_path / "journal.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    monkeypatch.setenv("CHANDRAD_JOURNAL_SOCKET", str(sock_path))
+    configure_logging("journal", "info", stream=io.StringIO())
+    try:
+        get_logger("chandrad.engine").warning(
+            "profile_change", reason="stable for 600s with a backlog: probing one step back up",
+            old={"max_model_len": 20000, "gpu_memory_utilization": 0.85},
+            new={"max_model_len": None, "gpu_memory_utilization": 0.9},
+            degraded=False, **{"class": "upshift"})
+        payload = sock.recv(1 << 20)
+    finally:
+        configure_logging("json", "info", stream=io.StringIO())
+        sock.close()
+    journal = _write_journal(tmp_path, [(payload, BASE)])
+    report = _report(journal)
+    assert report["profile_changes"][0]["new"] == {"max_model_len": None,
+                                                   "gpu_memory_utilization": 0.9}
+    rec = report["recommendations"][0]
+    assert "None" not in rec, rec
+    assert rec == ("1 upshift at max_model_len 20000 → settled on unset; gpu_memory_utilization "
+                   "0.85 → settled on 0.9; set [engine.memory] gpu_memory_utilization = 0.9 and "
+                   "leave [engine.memory] max_model_len unset (remove the line) in the config "
+                   "to skip the downshift at boot")
+    buf = io.StringIO()
+    assert run_logs(since=None, unit="chandrad", file=journal, as_json=False, out=buf) == 0
+    assert "None" not in buf.getvalue() and "max_model_len 20000 → unset" in buf.getvalue()

@@ -6,6 +6,13 @@ with ``SYSLOG_IDENTIFIER=chandrad`` plus systemd's own messages about the unit, 
 reports engine failures by class over time, profile changes with their reasons,
 restarts, failed files, pages per hour and recommendations — as text or as the
 versioned JSON object ``{"v": 1, ...}``.
+
+chandrad writes the same events in three shapes, all read here: native journal fields
+(``log_format = "journal"``); JSON lines on stderr that journald stores as ``MESSAGE``
+(``log_format = "json"`` under systemd, and the journal handler's fallback when
+journald's socket is gone); and a plain JSON-lines file (``--file`` on a file that is not
+a journal, e.g. ``chandrad run 2>>chandrad.log``). A line that cannot be read (cut off
+by a kill, or split by journald's ``LineMax``) is skipped and counted, never fatal.
 """
 
 from __future__ import annotations
@@ -20,11 +27,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from chandrad.errors import CtlExit
+from chandrad.logs import journal_fields
 
 #: systemd's "Automatic restarting of a unit has been scheduled" (systemd.catalog).
 SD_MESSAGE_UNIT_RESTART_SCHEDULED = "5eb03494b6584870a536b337290809b3"
 
 IDENTIFIER = "chandrad"
+
+#: The first bytes of every journal file (systemd's journal-def.h ``HEADER_SIGNATURE``).
+JOURNAL_MAGIC = b"LPKSHHRH"
 
 #: Where a learned knob goes in the config (everything else: ``[engine.memory]``).
 _KNOB_SECTION = {"max_pixels": "[ocr]", "max_output_tokens": "[ocr]"}
@@ -97,18 +108,102 @@ def _field_text(value: Any) -> str:
     return str(value)
 
 
-def parse_entries(lines: str) -> list[Entry]:
-    """Entries from ``journalctl -o json`` output, oldest first."""
-    entries: list[Entry] = []
+@dataclass
+class Entries:
+    """Parsed entries, oldest first, and how many lines could not be read."""
+
+    entries: list[Entry]
+    unreadable: int = 0
+
+
+def _event_fields(event: Any) -> dict[str, str] | None:
+    """The journal fields of one JSON-line event (as ``log_format = "journal"`` sends them)."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return None
+    return dict(journal_fields(event))
+
+
+def _event_time(event: dict[str, Any]) -> datetime | None:
+    stamp = event.get("timestamp")
+    if not isinstance(stamp, str):
+        return None
+    try:
+        t = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def parse_entries(lines: str) -> Entries:
+    """Entries from ``journalctl -o json`` output, oldest first.
+
+    An entry of ours whose ``MESSAGE`` is a JSON event (stderr in ``json`` format) gets
+    that event's fields, as if it had been sent natively. A line that is not JSON, or a
+    ``MESSAGE`` that looks like a JSON event but is cut off, counts as unreadable.
+    """
+    result = Entries([])
     for line in lines.splitlines():
         if not line.strip():
             continue
-        raw = json.loads(line)
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            result.unreadable += 1
+            continue
+        if not isinstance(raw, dict):
+            result.unreadable += 1
+            continue
         fields = {k: _field_text(v) for k, v in raw.items()}
-        usec = int(fields.get("__REALTIME_TIMESTAMP") or 0)
-        entries.append(Entry(datetime.fromtimestamp(usec / 1e6, UTC), fields))
-    entries.sort(key=lambda e: e.time)
-    return entries
+        stamp = fields.get("__REALTIME_TIMESTAMP", "")
+        when = datetime.fromtimestamp(int(stamp) / 1e6 if stamp.isdigit() else 0, UTC)
+        message = fields.get("MESSAGE", "")
+        if (fields.get("SYSLOG_IDENTIFIER") == IDENTIFIER and "CHANDRA_EVENT" not in fields
+                and message.startswith("{")):
+            try:
+                event = json.loads(message)
+            except ValueError:
+                result.unreadable += 1
+                continue
+            lifted = _event_fields(event)
+            if lifted is not None:
+                fields.update(lifted)
+                when = _event_time(event) or when
+        result.entries.append(Entry(when, fields))
+    result.entries.sort(key=lambda e: e.time)
+    return result
+
+
+def parse_json_lines(text: str, *, since: datetime | None = None) -> Entries:
+    """Entries from a JSON-lines log file (``log_format = "json"`` written to a file).
+
+    Lines that are not JSON events (a cut-off last line, a stray warning) are counted as
+    unreadable; events older than ``since`` are left out.
+    """
+    result = Entries([])
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            result.unreadable += 1
+            continue
+        fields = _event_fields(event)
+        when = _event_time(event) if isinstance(event, dict) else None
+        if fields is None or when is None:
+            result.unreadable += 1
+            continue
+        if since is not None and when < since:
+            continue
+        result.entries.append(Entry(when, fields))
+    result.entries.sort(key=lambda e: e.time)
+    return result
+
+
+def is_journal_file(path: Path) -> bool:
+    """Whether ``path`` is a journal file (else it is read as JSON lines)."""
+    with open(path, "rb") as f:
+        return f.read(len(JOURNAL_MAGIC)) == JOURNAL_MAGIC
 
 
 def _iso(t: datetime) -> str:
@@ -120,6 +215,9 @@ def _hour(t: datetime) -> str:
 
 
 def _toml(value: Any) -> str:
+    """A config value as TOML; None (a knob left unset, vLLM's default) has no TOML form."""
+    if value is None:
+        return "unset"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -127,7 +225,8 @@ def _toml(value: Any) -> str:
     return str(value)
 
 
-def analyze(entries: list[Entry], unit: str = "chandrad") -> dict[str, Any]:
+def analyze(entries: list[Entry], unit: str = "chandrad", *, unreadable: int = 0
+            ) -> dict[str, Any]:
     """The ``chandractl logs --json`` report (``"v": 1``) for these entries."""
     ours = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == IDENTIFIER]
     about_unit = [e for e in entries if e.get("UNIT") == unit_name(unit)]
@@ -189,6 +288,7 @@ def analyze(entries: list[Entry], unit: str = "chandrad") -> dict[str, Any]:
     report: dict[str, Any] = {
         "v": 1,
         "entries": len(ours),
+        "unreadable_lines": unreadable,
         "first": _iso(ours[0].time) if ours else None,
         "last": _iso(ours[-1].time) if ours else None,
         "failures": dict(failures.most_common()),
@@ -239,12 +339,22 @@ def _recommend(report: dict[str, Any], last_evidence: dict[str, str]) -> list[st
         )
         memory = [(k, n) for k, (_, n) in settled.items() if k != "expandable_segments"]
         sets: list[str] = []
+        unset: list[str] = []
         for knob, new in memory:
-            sets.append(f"{_KNOB_SECTION.get(knob, '[engine.memory]')} {knob} = {_toml(new)}")
+            key = f"{_KNOB_SECTION.get(knob, '[engine.memory]')} {knob}"
+            if new is None:
+                unset.append(key)
+            else:
+                sets.append(f"{key} = {_toml(new)}")
         if settled.get("expandable_segments", (None, None))[1] is True:
             sets.append('[engine.env] PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"')
+        todo = []
+        if sets:
+            todo.append(f"set {', '.join(sets)}")
+        if unset:
+            todo.append(f"leave {', '.join(unset)} unset (remove the line)")
         recs.append(
-            f"{count} {cls} at {moves}; set {', '.join(sets)} in the config "
+            f"{count} {cls} at {moves}; {' and '.join(todo)} in the config "
             "to skip the downshift at boot"
         )
     if failures.get("host_oom"):
@@ -280,7 +390,12 @@ def _recommend(report: dict[str, Any], last_evidence: dict[str, str]) -> list[st
             f"{n} file(s) failed with {code} (e.g. {example}): {advice}; "
             "then `chandractl retry --failed`"
         )
-    if not recs:
+    if report["unreadable_lines"]:
+        recs.append(
+            f"{report['unreadable_lines']} line(s) could not be read (cut off or not JSON) "
+            "and were skipped"
+        )
+    if not [r for r in recs if "could not be read" not in r]:
         recs.append("no engine failures and no failed files: nothing to change")
     return recs
 
@@ -291,6 +406,8 @@ def render_text(report: dict[str, Any], out: TextIO) -> None:
     w(f"chandrad journal: {report['entries']} entries")
     if report["first"]:
         w(f", {report['first']} … {report['last']}")
+    if report["unreadable_lines"]:
+        w(f" ({report['unreadable_lines']} unreadable lines skipped)")
     w("\n\nEngine failures by class\n")
     if report["failures"]:
         classes = list(report["failures"])
@@ -337,22 +454,53 @@ def render_text(report: dict[str, Any], out: TextIO) -> None:
         w(f"  - {rec}\n")
 
 
+def _since_time(since: str | None) -> datetime | None:
+    """``--since`` for a JSON-lines file: an ISO time (journalctl's own words need a journal)."""
+    if not since:
+        return None
+    try:
+        t = datetime.fromisoformat(since)
+    except ValueError:
+        raise ValueError(
+            f"--since {since!r}: with a JSON-lines file give an ISO time such as "
+            "2026-01-05T11:00:00Z (journalctl's relative times work on journal files)"
+        ) from None
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
 def run_logs(*, since: str | None, unit: str, file: Path | None, as_json: bool, out: TextIO) -> int:
     """Run journalctl, analyse, print; returns a chandractl exit status."""
     argv = journalctl_argv(since=since, unit=unit, file=file)
-    exe = shutil.which(argv[0])
-    if exe is None:
-        out.write("chandractl logs: journalctl not found (install systemd)\n")
-        return int(CtlExit.ERROR)
     if file is not None and not file.exists():
         out.write(f"chandractl logs: {file}: no such journal file\n")
         return int(CtlExit.ERROR)
-    proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, errors="replace")
-    if proc.returncode != 0:
-        message = proc.stderr.strip() or f"journalctl exited with status {proc.returncode}"
-        out.write(f"chandractl logs: {message}\n")
+    try:
+        journal = file is None or is_journal_file(file)
+    except OSError as exc:
+        out.write(f"chandractl logs: {file}: {exc.strerror}\n")
         return int(CtlExit.ERROR)
-    report = analyze(parse_entries(proc.stdout), unit)
+    if journal:
+        exe = shutil.which(argv[0])
+        if exe is None:
+            out.write("chandractl logs: journalctl not found (install systemd)\n")
+            return int(CtlExit.ERROR)
+        proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True,
+                              errors="replace")
+        if proc.returncode != 0:
+            message = proc.stderr.strip() or f"journalctl exited with status {proc.returncode}"
+            out.write(f"chandractl logs: {message}\n")
+            return int(CtlExit.ERROR)
+        parsed = parse_entries(proc.stdout)
+    else:
+        assert file is not None
+        try:
+            start = _since_time(since)
+        except ValueError as exc:
+            out.write(f"chandractl logs: {exc}\n")
+            return int(CtlExit.ERROR)
+        parsed = parse_json_lines(file.read_text(encoding="utf-8", errors="replace"),
+                                  since=start)
+    report = analyze(parsed.entries, unit, unreadable=parsed.unreadable)
     if as_json:
         out.write(json.dumps(report, ensure_ascii=False, indent=2) + "\n")
     else:
