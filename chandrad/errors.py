@@ -175,6 +175,7 @@ CONTROL_ERROR_CODES: frozenset[str] = frozenset(
         "invalid_state",
         "not_found",
         "internal_error",
+        "busy",
     }
 )
 

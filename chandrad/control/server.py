@@ -18,6 +18,22 @@ Access tiers, decided per connection from the peer's credentials:
 
 Each connection is its own task and handles its requests in order, so a handler that
 waits (``drain --wait``, ``reload --wait``) only holds up its own client.
+
+Limits, so that no client can take the socket (or the daemon's memory or descriptors)
+from the others; each refusal is answered with a reason, then the connection closes:
+
+* a request line longer than ``MAX_LINE_BYTES`` (1 MiB) → ``too_large``; the rest of it
+  is read off (at most 64 MiB, 2 s) so the client sees the reply, not a reset;
+* no complete request line within ``read_timeout`` (30 s) of the last reply → ``timeout``;
+  a client that does not read its replies is closed after ``read_timeout`` too;
+* at most ``max_per_peer`` (16) connections per client process and ``max_connections``
+  (64) in all. A connection beyond either limit makes room by closing, with ``busy``,
+  the connection that has waited longest for a request line — one of the same process
+  when that process is at its limit, else one of the process holding the most. When
+  none of those is idle (all inside a command) the newcomer is answered ``busy``. So a
+  process that floods the socket, or leaves connections silent, churns through its own
+  places while other clients are served. Refusals are logged as one warning with
+  counts at most every 10 s.
 """
 
 from __future__ import annotations
@@ -32,6 +48,8 @@ import pwd
 import socket
 import stat
 import struct
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -54,8 +72,31 @@ log = structlog.get_logger("chandrad.control")
 
 Access = Literal["write", "read", "none"]
 
-#: Seconds a client may take to send a complete line (or to send nothing at all).
+#: Seconds a client may take to send a complete line (or to send nothing at all), and
+#: to take a reply off the socket.
 DEFAULT_READ_TIMEOUT = 30.0
+#: Connections open at once (the daemon also needs descriptors for the engine, the store
+#: and the render pool; a handful of operators and monitors need far fewer than this).
+DEFAULT_MAX_CONNECTIONS = 64
+#: Connections one client process (peer pid) may hold open at once.
+DEFAULT_MAX_PER_PEER = 16
+#: Pending connections the kernel queues (a burst of clients waits there instead of
+#: getting EAGAIN; asyncio also accepts up to this many per turn of the loop).
+LISTEN_BACKLOG = 128
+#: At most one ``control_connection_limit`` warning per this many seconds.
+LIMIT_LOG_INTERVAL = 10.0
+
+
+class _Connection:
+    """One open connection: its task, its writer, and since when it waits for a request."""
+
+    __slots__ = ("idle_since", "pid", "task", "writer")
+
+    def __init__(self, task: asyncio.Task[None], writer: asyncio.StreamWriter, pid: int) -> None:
+        self.task = task
+        self.writer = writer
+        self.pid = pid
+        self.idle_since: float | None = time.monotonic()
 
 
 class ControlSocketError(ChandradError):
@@ -181,6 +222,18 @@ def _check_stale(path: Path) -> None:
     )
 
 
+async def _close(writer: asyncio.StreamWriter) -> None:
+    """Close after flushing what is buffered; abort if the peer takes none of it for 5 s."""
+    writer.close()
+    try:
+        async with asyncio.timeout(5.0):
+            await writer.wait_closed()
+    except TimeoutError:
+        writer.transport.abort()
+    except Exception:  # the peer reset: closed anyway
+        pass
+
+
 class ControlServer:
     """The Unix socket server. ``start()`` binds and listens; ``close()`` unlinks."""
 
@@ -193,6 +246,8 @@ class ControlServer:
         group: str = "",
         owner_uid: int = os.getuid(),
         read_timeout: float = DEFAULT_READ_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_per_peer: int = DEFAULT_MAX_PER_PEER,
     ) -> None:
         self.path = Path(path)
         self.handlers = handlers
@@ -203,7 +258,12 @@ class ControlServer:
         self._group_gid = -1
         self._server: asyncio.AbstractServer | None = None
         self._inode: tuple[int, int] | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
+        self._connections: dict[asyncio.Task[None], _Connection] = {}
+        self._evicted = 0
+        self._refused = 0
+        self._limit_logged_at = -LIMIT_LOG_INTERVAL
 
     async def start(self) -> None:
         """Create the socket node and start serving.
@@ -221,7 +281,7 @@ class ControlServer:
         sock = self._bind(gid)
         self._group_gid = os.stat(self.path).st_gid
         self._server = await asyncio.start_unix_server(
-            self._on_connect, sock=sock, limit=MAX_LINE_BYTES + 1
+            self._on_connect, sock=sock, limit=MAX_LINE_BYTES + 1, backlog=LISTEN_BACKLOG
         )
         log.info("control_listening", path=str(self.path), mode=oct(self.mode), gid=gid)
 
@@ -242,7 +302,7 @@ class ControlServer:
             if os.stat(self.path).st_gid != gid:
                 os.chown(self.path, -1, gid)
             os.chmod(self.path, self.mode)
-            sock.listen(64)
+            sock.listen(LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             with contextlib.suppress(OSError):
@@ -284,32 +344,84 @@ class ControlServer:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
         try:
             sock = writer.get_extra_info("socket")
             pid, uid, gid = _peer_credentials(sock)
             access = self._access(uid, gid, _peer_groups(sock))
-            await self._serve(reader, writer, pid, uid, access)
+        except OSError:
+            await _close(writer)  # the peer is already gone
+            return
+        if not self._make_room(pid):
+            self._refused += 1
+            self._log_limit()
+            writer.write(encode_error(None, "busy", self._busy_message("all are busy")))
+            await _close(writer)
+            return
+        conn = self._connections[task] = _Connection(task, writer, pid)
+        try:
+            await self._serve(reader, writer, conn, pid, uid, access)
         except ConnectionError:
             pass
         except Exception:
             log.exception("control_connection_error")
         finally:
-            self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            self._connections.pop(task, None)
+            await _close(writer)
+
+    def _make_room(self, pid: int) -> bool:
+        """Whether a new connection of ``pid`` fits, closing an idle one if needed."""
+        conns = list(self._connections.values())
+        if sum(1 for c in conns if c.pid == pid) >= self.max_per_peer:
+            return False  # that process already has its share: it gets busy, others don't
+        if len(conns) < self.max_connections:
+            return True
+        per_pid = Counter(c.pid for c in conns)
+        heaviest = max(per_pid, key=lambda p: per_pid[p])
+        return self._evict([c for c in conns if c.pid == heaviest]) or self._evict(conns)
+
+    def _evict(self, candidates: list[_Connection]) -> bool:
+        """Close the candidate that has waited longest for a request line; False if none."""
+        idle = [c for c in candidates if c.idle_since is not None]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.idle_since or 0.0)
+        del self._connections[victim.task]
+        self._evicted += 1
+        self._log_limit()
+        with contextlib.suppress(Exception):
+            victim.writer.write(encode_error(
+                None, "busy", self._busy_message("closing the one idle longest")))
+            victim.writer.close()  # the reply is flushed before the close
+        victim.task.cancel()
+        return True
+
+    def _busy_message(self, what: str) -> str:
+        return (f"too many control connections (at most {self.max_per_peer} per process, "
+                f"{self.max_connections} in all); {what}")
+
+    def _log_limit(self) -> None:
+        now = time.monotonic()
+        if now - self._limit_logged_at < LIMIT_LOG_INTERVAL:
+            return
+        self._limit_logged_at = now
+        log.warning("control_connection_limit", open=len(self._connections),
+                    limit=self.max_connections, per_process=self.max_per_peer,
+                    evicted_idle=self._evicted,
+                    refused=self._refused)
+        self._evicted = self._refused = 0
 
     async def _serve(
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        conn: _Connection,
         pid: int,
         uid: int,
         access: Access,
     ) -> None:
         """Answer requests on one connection until EOF or a fatal framing error."""
         while True:
+            conn.idle_since = time.monotonic()
             try:
                 # asyncio.timeout, not wait_for: no extra task, so one loop turn less
                 # per request when the loop is busy.
@@ -318,6 +430,7 @@ class ControlServer:
             except asyncio.IncompleteReadError:
                 return  # EOF, with or without a partial line
             except asyncio.LimitOverrunError:
+                conn.idle_since = None
                 await self._send(writer, encode_error(
                     None, "too_large", f"request line exceeds {MAX_LINE_BYTES} bytes"))
                 await self._discard(reader, writer)
@@ -326,6 +439,7 @@ class ControlServer:
                 await self._send(writer, encode_error(
                     None, "timeout", f"no complete request line within {self.read_timeout:g} s"))
                 return
+            conn.idle_since = None
             await self._send(writer, await self._answer(line, pid, uid, access))
 
     async def _answer(self, line: bytes, pid: int, uid: int, access: Access) -> bytes:
@@ -373,7 +487,14 @@ class ControlServer:
                         return
                     budget -= len(chunk)
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        """Write one reply; a client that does not take it within read_timeout is dropped."""
         writer.write(data)
-        await writer.drain()
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                await writer.drain()
+        except TimeoutError:
+            # close() would wait for the unread replies to drain, for ever: abort.
+            writer.transport.abort()
+            log.info("control_client_not_reading", timeout_s=self.read_timeout)
+            raise ConnectionAbortedError("client does not read its replies") from None

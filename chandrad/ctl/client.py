@@ -11,6 +11,7 @@ import errno
 import itertools
 import os
 import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,10 @@ class ControlClient:
     def connect(self) -> None:
         """Raises: DaemonNotRunning, ControlAccessDenied, ControlTransportError."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(min(self.timeout or 5.0, 5.0))
+        limit = min(self.timeout or 5.0, 5.0)
+        sock.settimeout(limit)
         try:
-            sock.connect(str(self.path))
+            _connect(sock, self.path, time.monotonic() + limit)
         except OSError as exc:
             sock.close()
             if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
@@ -151,6 +153,24 @@ class ControlClient:
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line
+
+
+def _connect(sock: socket.socket, path: Path, deadline: float) -> None:
+    """connect(), waiting while the daemon's listen backlog is full.
+
+    A Unix socket answers a full backlog with EAGAIN at once (a socket with a timeout
+    is non-blocking underneath); the daemon drains its backlog quickly, so try again.
+    """
+    delay = 0.005
+    while True:
+        try:
+            sock.connect(str(path))
+            return
+        except BlockingIOError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
 
 def _access_hint(path: Path) -> str:
