@@ -26,14 +26,15 @@ from the others; each refusal is answered with a reason, then the connection clo
   is read off (at most 64 MiB, 2 s) so the client sees the reply, not a reset;
 * no complete request line within ``read_timeout`` (30 s) of the last reply → ``timeout``;
   a client that does not read its replies is closed after ``read_timeout`` too;
-* at most ``max_per_peer`` (16) connections per client process and ``max_connections``
-  (64) in all. A connection beyond either limit makes room by closing, with ``busy``,
-  the connection that has waited longest for a request line — one of the same process
-  when that process is at its limit, else one of the process holding the most. When
-  none of those is idle (all inside a command) the newcomer is answered ``busy``. So a
-  process that floods the socket, or leaves connections silent, churns through its own
-  places while other clients are served. Refusals are logged as one warning with
-  counts at most every 10 s.
+* at most ``max_per_peer`` (16) connections per client process (peer pid) and
+  ``max_connections`` (64) in all. A process at its share is answered ``busy``. At the
+  global limit a newcomer makes room by closing, with ``busy``, the connection that has
+  waited longest for a request line among those of the process holding the most (any
+  idle one if that process has none); with none idle (all inside a command) the
+  newcomer is answered ``busy``. So a process that floods the socket, or leaves
+  connections silent, only ever uses its own share while other clients are served.
+  Refusals and evictions are logged as one ``control_connection_limit`` warning, with
+  the counts since the previous one, at most every 10 s.
 """
 
 from __future__ import annotations

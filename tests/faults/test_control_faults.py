@@ -5,8 +5,10 @@ recording daemon) in a child process of its own, with the file-descriptor limit 
 foreground ``chandrad run`` gets from a shell (``ulimit -n`` 1024). Hostile clients are
 other child processes on the same Unix socket; the test process measures ``status``
 round trips, one new connection per request, as ``bench/bench_status.py`` does
-("reconnect"). The budget for the p99 under fault is ``P99_BUDGET_S``: on an idle
-server that p99 is about 0.5 ms (bench, 2 cores); under a busy daemon's loop, 0.36 s.
+("reconnect"). The budget for the p99 under fault is ``P99_BUDGET_S``, the p99 that
+bench reports today for a daemon whose loop is busy (0.36 s on 2 shared cores; idle,
+0.44 ms): a hostile client may cost what ordinary load costs, not more. Measured here
+with the fixes: 76–160 ms, depending on the machine's other load.
 
 Every hostile loop is bounded (a count and a deadline) and uses only this Unix socket.
 """
@@ -33,8 +35,9 @@ from chandrad.protocol import encode_request
 TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
 
-#: ``status`` p99 (new connection per request) that must hold under every fault here.
-P99_BUDGET_S = 0.25
+#: ``status`` p99 (new connection per request) that must hold under every fault here:
+#: bench/bench_status.py's busy_reconnect p99.
+P99_BUDGET_S = 0.36
 #: The server's read timeout in these tests (the daemon's default is 30 s).
 READ_TIMEOUT_S = 3.0
 
@@ -217,6 +220,29 @@ def test_thousand_silent_connections_do_not_starve_status(server: Server) -> Non
     warnings = server.events("control_connection_limit")
     assert 1 <= len(warnings) <= 2, warnings  # one per 10 s at most, with counts
     assert warnings[0]["per_process"] == 16 and warnings[0]["refused"] >= 1
+
+
+def test_many_silent_processes_share_the_global_limit(server: Server) -> None:
+    """8 processes keep 16 silent connections each (128 > the global 64) for 5 s.
+
+    Each newcomer past 64 closes the longest-idle connection of the process holding
+    the most; status from another process is served within budget throughout.
+    """
+    idle_fds = server.fds()
+    flooders = [flood(server.path, 16, hold=5.0) for _ in range(8)]
+    try:
+        during = status_p99(server.path, 200)
+        held_fds = server.fds()
+    finally:
+        results = [flood_result(f) for f in flooders]
+    busy = sum(r["replies"].get("busy", 0) for r in results)
+    print(f"8 x 16 silent connections: status {during}; server fds idle {idle_fds}, "
+          f"during {held_fds}; busy replies {busy}")
+    assert during["p99_ms"] < P99_BUDGET_S * 1000, during
+    assert held_fds <= idle_fds + 64 + 2, (idle_fds, held_fds)
+    assert busy >= 64, results
+    server.stop()
+    assert server.events("control_connection_limit")[0]["evicted_idle"] >= 1
 
 
 def test_silent_client_is_closed_after_the_read_timeout(server: Server) -> None:
