@@ -1,4 +1,4 @@
-"""systemd integration: the sd_notify protocol, the progress-gated watchdog, child env scrubbing.
+"""systemd integration: the sd_notify protocol and the progress-gated watchdog.
 
 Owns everything chandrad says to the service manager over ``$NOTIFY_SOCKET`` (SPEC §7):
 ``READY=1``, ``STATUS=``, ``RELOADING=1`` + ``MONOTONIC_USEC``, ``STOPPING=1``,
@@ -6,7 +6,9 @@ Owns everything chandrad says to the service manager over ``$NOTIFY_SOCKET`` (SP
 ``AF_UNIX``/``SOCK_DGRAM`` datagram per message (``@`` = abstract namespace), encoded as
 UTF-8 here; PyPI ``sdnotify`` encodes Latin-1 and silently drops a ``STATUS=`` naming a
 file such as ``東京.pdf`` (bb4242/sdnotify#9), so it is not used. Without ``NOTIFY_SOCKET``
-every call is a no-op, so the daemon runs the same in a terminal.
+every call is a no-op, so the daemon runs the same in a terminal. Keeping the unit's
+variables out of children's environments is the child's builder's job
+(:func:`chandrad.engine.command.scrub_systemd_env`, pure, below this adapter).
 """
 
 from __future__ import annotations
@@ -18,22 +20,10 @@ import socket
 import time
 from collections.abc import Mapping
 
-SCRUBBED_ENV_PREFIXES: tuple[str, ...] = ("NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_")
-
 _log = logging.getLogger(__name__)
 
 #: One ``STATUS=`` line: systemctl shows a single line; keep the datagram small.
 _MAX_STATUS_CHARS = 400
-
-
-def scrub_systemd_env(env: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``env`` without the variables that belong to chandrad's own unit.
-
-    A child that inherits ``NOTIFY_SOCKET`` or ``WATCHDOG_*`` could speak for the unit
-    (``NotifyAccess=main`` would drop it, but a foreign ``READY=1`` is still confusing);
-    ``LISTEN_*`` would make it claim our sockets.
-    """
-    return {k: v for k, v in env.items() if not k.startswith(SCRUBBED_ENV_PREFIXES)}
 
 
 def _one_line(text: str) -> str:

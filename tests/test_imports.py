@@ -1,10 +1,16 @@
-"""The daemon process stays small: heavy libraries load only in workers or the engine."""
+"""Import discipline: the daemon stays small, and imports point down the layer map.
+
+Heavy libraries load only in workers or the engine; every module sits on one layer of
+docs/architecture.md (leaf, pure, adapter, service, daemon, entry) and imports only below it.
+"""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 HEAVY = ("torch", "vllm", "pymupdf", "chandra.model", "chandra.output", "openai", "transformers")
 
@@ -19,3 +25,110 @@ def test_daemon_imports_no_heavy_library() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert json.loads(out.stdout) == []
+
+
+# ------------------------------------------------------------------ the layer map
+
+#: Every module of the package, by layer (docs/architecture.md). Imports point down only.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "leaf": ("chandrad", "chandrad.errors", "chandrad.states",
+             "chandrad.engine", "chandrad.control", "chandrad.ctl"),
+    "pure": ("chandrad.config", "chandrad.protocol", "chandrad.interfaces",
+             "chandrad.engine.classify", "chandrad.engine.profile", "chandrad.engine.launch",
+             "chandrad.engine.command", "chandrad.ocr"),
+    "adapter": ("chandrad.engine.process", "chandrad.engine.client", "chandrad.gpu",
+                "chandrad.store", "chandrad.watch", "chandrad.render", "chandrad.outputs",
+                "chandrad.systemd", "chandrad.logs"),
+    "service": ("chandrad.engine.supervisor", "chandrad.pipeline", "chandrad.control.server",
+                "chandrad.control.handlers"),
+    "daemon": ("chandrad.daemon",),
+    "entry": ("chandrad.cli", "chandrad.__main__", "chandrad.ctl.main", "chandrad.ctl.client",
+              "chandrad.ctl.diagnose", "chandrad.ctl.journal", "chandrad.ctl.render"),
+}
+RANK = {name: rank for rank, name in enumerate(LAYERS)}
+LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
+PACKAGE = Path(__file__).resolve().parents[1] / "chandrad"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _chandrad_imports(path: Path) -> set[str]:
+    """Every chandrad module ``path`` imports, at top level or inside a function, including
+    ``importlib.import_module("chandrad...")`` with a literal name."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "chandrad")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = _module_name(path).split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "chandrad":
+                continue
+            for alias in node.names:  # `from chandrad import gpu` imports the module chandrad.gpu
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in LAYER_OF else base)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and node.args[0].value.split(".")[0] == "chandrad"):
+            found.add(node.args[0].value)
+    return found
+
+
+def _may_import(importer: str, imported: str) -> bool:
+    """Down the map; sideways only within the pure and entry layers, and within one service
+    package (``control.server`` -> ``control.handlers``). Adapters own one outside resource
+    each and import no other adapter; services meet each other only through the daemon."""
+    a, b = LAYER_OF[importer], LAYER_OF[imported]
+    if RANK[b] < RANK[a]:
+        return True
+    if a != b:
+        return False
+    if a in ("pure", "entry"):
+        return True
+    if a == "service":
+        return importer.rsplit(".", 1)[0] == imported.rsplit(".", 1)[0] != "chandrad"
+    return False
+
+
+def test_every_module_has_a_layer() -> None:
+    """A new module must be placed on the map (here and in docs/architecture.md)."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    unplaced = sorted(modules - set(LAYER_OF))
+    assert not unplaced, f"add these to LAYERS in tests/test_imports.py: {unplaced}"
+    assert not set(LAYER_OF) - modules, "LAYERS names a module that no longer exists"
+
+
+def test_imports_point_down_the_layer_map() -> None:
+    """No module imports a layer above its own (the pure layer imports no adapter, an adapter
+    no service, ...), nor a sideways neighbour it should reach only through an interface."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = _module_name(path)
+        for imported in sorted(_chandrad_imports(path)):
+            if imported not in LAYER_OF:
+                bad.append(f"{importer} imports unknown {imported}")
+            elif imported != importer and not _may_import(importer, imported):
+                bad.append(f"{importer} ({LAYER_OF[importer]}) imports {imported} "
+                           f"({LAYER_OF[imported]})")
+    assert bad == []
+
+
+def test_layer_check_sees_every_form_of_import() -> None:
+    """The scanner finds plain, from-, relative, function-local and import_module imports."""
+    probe = PACKAGE / "engine" / "command.py"
+    assert "chandrad.engine.profile" in _chandrad_imports(probe)
+    assert "chandrad.control.handlers" in _chandrad_imports(PACKAGE / "control" / "server.py")
+    assert {"chandrad.daemon", "chandrad.gpu"} <= _chandrad_imports(PACKAGE / "cli.py")
+    assert "chandrad.ctl.render" in _chandrad_imports(PACKAGE / "ctl" / "main.py")
+    assert not _may_import("chandrad.engine.command", "chandrad.systemd")
+    assert not _may_import("chandrad.pipeline", "chandrad.engine.supervisor")
+    assert not _may_import("chandrad.store", "chandrad.render")
+    assert _may_import("chandrad.engine.command", "chandrad.engine.profile")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from chandrad.systemd import Notifier, WatchdogPinger, scrub_systemd_env
+from chandrad.engine.command import scrub_systemd_env
+from chandrad.systemd import Notifier, WatchdogPinger
 
 
 @pytest.fixture

@@ -28,7 +28,6 @@ from typing import Any
 from chandrad import config, errors
 from chandrad.engine import launch
 from chandrad.engine.profile import MemoryProfile
-from chandrad.systemd import scrub_systemd_env
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -38,6 +37,9 @@ DEFAULT_ENGINE_ENV: dict[str, str] = {
     "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
 }
+
+#: The variables that belong to chandrad's own systemd unit, never to a child's.
+SCRUBBED_ENV_PREFIXES: tuple[str, ...] = ("NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_")
 
 #: Which config key each generated flag comes from; anything else comes from extra_args.
 FLAG_KEYS: dict[str, str] = {
@@ -144,6 +146,16 @@ def _merge_alloc_conf(existing: str) -> str:
     parts = [p for p in existing.split(",") if p.strip()]
     kept = [p for p in parts if p.split(":", 1)[0].strip() != "expandable_segments"]
     return ",".join([*kept, "expandable_segments:True"])
+
+
+def scrub_systemd_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` without the variables that belong to chandrad's own unit.
+
+    A child that inherits ``NOTIFY_SOCKET`` or ``WATCHDOG_*`` could speak for the unit
+    (``NotifyAccess=main`` would drop it, but a foreign ``READY=1`` is still confusing);
+    ``LISTEN_*`` would make it claim our sockets.
+    """
+    return {k: v for k, v in env.items() if not k.startswith(SCRUBBED_ENV_PREFIXES)}
 
 
 def engine_env(
