@@ -22,6 +22,8 @@ from chandrad.states import JobState
 
 #: Longest frame (request or reply line) either side accepts, newline excluded.
 MAX_LINE_BYTES = 1 << 20
+#: Integer arguments must fit SQLite's INTEGER (job ids, limits): signed 64-bit.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
 Tier = Literal["read", "write"]
 RequestId = str | int | None
@@ -107,6 +109,10 @@ def _loads(line: bytes) -> dict[str, Any]:
         obj = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError("bad_request", f"not a JSON object: {exc}") from exc
+    except ValueError as exc:  # an integer of more digits than int() accepts (4300)
+        raise ProtocolError("bad_request", f"unreadable number: {exc}") from exc
+    except RecursionError as exc:
+        raise ProtocolError("bad_request", "JSON nested too deeply") from exc
     if not isinstance(obj, dict):
         raise ProtocolError("bad_request", "a frame must be one JSON object per line")
     return obj
@@ -178,6 +184,9 @@ def validate_args(cmd: str, args: dict[str, Any]) -> dict[str, Any]:
                 "bad_request",
                 f"{cmd}: argument {name!r} must be {arg.kind.__name__}, got {value!r}",
             )
+        if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+            raise ProtocolError(
+                "bad_request", f"{cmd}: argument {name!r} is out of range (64-bit integer)")
         if arg.choices and value not in arg.choices:
             raise ProtocolError(
                 "bad_request",

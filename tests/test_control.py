@@ -279,3 +279,26 @@ def test_owner_uid_argument_defaults_to_current_uid() -> None:
     """The daemon's own uid gets the write tier by default (the API of the brief)."""
     server = ControlServer(Path("/nonexistent/x.sock"), Handlers(RecordingDaemon()))
     assert server.owner_uid == os.getuid()
+
+
+@pytest.mark.parametrize("line", [
+    b'{"v": 1, "id": 1, "cmd": "cancel", "args": {"job": ' + b"9" * 5000 + b"}}\n",
+    b'{"v": 1, "id": 1, "cmd": "cancel", "args": {"job": ' + b"9" * 30 + b"}}\n",
+    b'{"v": 1, "id": 1, "cmd": "queue", "args": {"limit": -' + b"9" * 20 + b"}}\n",
+    b'{"v": 1, "id": 1, "cmd": "status", "args": {"x": ' + b"[" * 200_000
+    + b"]" * 200_000 + b"}}\n",
+    b"[" * 200_000 + b"]" * 200_000 + b"\n",
+], ids=["int-5000-digits", "int-beyond-int64", "negative-beyond-int64", "deep-args",
+        "deep-frame"])
+def test_huge_numbers_and_deep_nesting_are_bad_requests(server: ServerThread,
+                                                        line: bytes) -> None:
+    """Numbers Python cannot parse or SQLite cannot hold, and JSON nested deeper than the
+    parser's recursion limit, are the client's mistake (bad_request), never an
+    internal_error; the daemon is not called and the connection stays usable."""
+    with connect(server.path) as sock:
+        sock.sendall(line)
+        reply = read_reply(sock)
+        assert reply["ok"] is False
+        assert reply["error"]["code"] == "bad_request", reply
+        assert ask(sock, "gpu", rid=2)["ok"] is True
+    assert [c[0] for c in server.daemon.calls] == ["gpu"]
