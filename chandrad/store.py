@@ -329,8 +329,9 @@ class Store:
 
         ``path`` may be absolute (under ``input_root``) or relative to it. Not new work:
         the same file (same absolute path and content hash) is already pending or
-        running; or ``duplicates == "skip"`` and a job with the same content hash has
-        already finished ``done`` (content duplicates, whatever their name). A pending
+        running; or ``duplicates == "skip"`` and a job with the same content hash is
+        pending, running or finished ``done`` (content duplicates, whatever their name,
+        including copies in the same batch). A pending
         job for the same path whose content changed is updated in place instead of
         queueing the path twice.
         """
@@ -389,10 +390,13 @@ class Store:
                 )
                 return None
         if duplicates == "skip":
-            done = c.execute(
-                "SELECT 1 FROM jobs WHERE sha256 = ? AND state = 'done' LIMIT 1", (sha256,)
+            # Pending and running count too: copies dropped together (one batch, one
+            # transaction) or while the first is queued are the same work.
+            seen = c.execute(
+                "SELECT 1 FROM jobs WHERE sha256 = ? AND state IN ('pending', 'running', "
+                "'done') LIMIT 1", (sha256,)
             ).fetchone()
-            if done is not None:
+            if seen is not None:
                 return None
         cur = c.execute(
             "INSERT INTO jobs (watch_index, input_root, path, abs_path, size, mtime, sha256, "

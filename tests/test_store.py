@@ -148,6 +148,25 @@ def test_duplicates_policy(store: Store) -> None:
         _accept_corpus_file(store, "image_numeric-table-scan.tif", "sometimes")
 
 
+def test_skip_duplicates_dropped_together_or_while_queued(store: Store,
+                                                          tmp_path: Path) -> None:
+    """'skip' compares with jobs not yet done too: copies accepted in one batch, and a
+    copy arriving while the first is pending or running, are skipped (issue 15 #10)."""
+    root = tmp_path / "in"
+    same, other = "cc" * 32, "dd" * 32
+    batch = [(0, root, root / f"copy{i}.pdf", 10, 1.0, same) for i in range(3)]
+    batch.append((0, root, root / "other.pdf", 10, 1.0, other))
+    jobs = store.accept_many(batch, "skip")
+    assert sorted(j.path.name for j in jobs) == ["copy0.pdf", "other.pdf"]
+    assert store.accept(0, root, root / "copy9.pdf", 10, 1.0, same, "skip") is None
+    first = next(j for j in jobs if j.sha256 == same)
+    store.set_job_state(first.id, JobState.RUNNING)
+    assert store.accept(0, root, root / "copy8.pdf", 10, 1.0, same, "skip") is None
+    # A copy of content whose job failed is processed: nothing was made of it.
+    store.set_job_state(first.id, JobState.FAILED)
+    assert store.accept(0, root, root / "copy7.pdf", 10, 1.0, same, "skip") is not None
+
+
 def test_next_pending_is_oldest_first(store: Store) -> None:
     """next_pending() returns pending jobs in acceptance order and skips running ones."""
     root = Path("/in")
