@@ -32,6 +32,7 @@ import io
 import math
 import multiprocessing
 import os
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -77,6 +78,8 @@ _SNIFF_BYTES = 1024
 #: Pillow's own decompression-bomb limit (it raises above twice MAX_IMAGE_PIXELS).
 _MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 0) or 1 << 31
 _EXIF_ORIENTATION = 0x0112
+#: Times a call reruns because another call's timeout killed the pool under it.
+MAX_INNOCENT_RERUNS = 3
 
 
 @dataclass(frozen=True)
@@ -432,6 +435,11 @@ class RenderPool:
     A worker that dies (segfault in a decoder, killed for memory) or overruns
     ``timeout`` is taken down with the whole pool, which is rebuilt for the next call;
     the affected call raises :class:`RenderCrashed` or :class:`RenderTimeout`.
+
+    A call is handed to the pool only when a worker is free, so ``timeout`` times the
+    work, never the wait for a worker. Calls that were running on a pool killed because
+    *another* call overran its timeout are innocent: they run again on the new pool
+    (up to :data:`MAX_INNOCENT_RERUNS` times) instead of failing.
     """
 
     def __init__(self, workers: int = 0, timeout: float = 300.0) -> None:
@@ -439,6 +447,10 @@ class RenderPool:
         self.timeout = timeout
         self._context = multiprocessing.get_context("spawn")
         self._executor: ProcessPoolExecutor | None = None
+        self._free: asyncio.Semaphore | None = None
+        self._free_loop: asyncio.AbstractEventLoop | None = None
+        #: Pools killed on purpose (a call overran its timeout), not broken by a crash.
+        self._killed: weakref.WeakSet[ProcessPoolExecutor] = weakref.WeakSet()
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
@@ -447,7 +459,9 @@ class RenderPool:
             )
         return self._executor
 
-    def _recycle(self, executor: ProcessPoolExecutor) -> None:
+    def _recycle(self, executor: ProcessPoolExecutor, *, killed: bool = False) -> None:
+        if killed:
+            self._killed.add(executor)
         if self._executor is not executor:
             return  # another call already replaced it
         self._executor = None
@@ -458,18 +472,36 @@ class RenderPool:
             if proc.is_alive():
                 proc.kill()
 
+    def _slots(self, loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
+        """One slot per worker (a semaphore belongs to one event loop; tests use several)."""
+        if self._free is None or self._free_loop is not loop:
+            self._free, self._free_loop = asyncio.Semaphore(self.workers), loop
+        return self._free
+
     async def _run(self, what: str, fn: Any, *args: Any) -> Any:
-        executor = self._pool()
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(executor, fn, *args)
-        try:
-            return await asyncio.wait_for(future, self.timeout)
-        except BrokenProcessPool as exc:
-            self._recycle(executor)
-            raise RenderCrashed(f"{what}: render worker died (crash or out of memory)") from exc
-        except TimeoutError as exc:
-            self._recycle(executor)
-            raise RenderTimeout(f"{what}: rendering took longer than {self.timeout:g} s") from exc
+        reruns = 0
+        while True:
+            async with self._slots(loop):
+                executor = self._pool()
+                future = loop.run_in_executor(executor, fn, *args)
+                try:
+                    return await asyncio.wait_for(future, self.timeout)
+                except TimeoutError as exc:
+                    self._recycle(executor, killed=True)
+                    raise RenderTimeout(
+                        f"{what}: rendering took longer than {self.timeout:g} s") from exc
+                except (BrokenProcessPool, asyncio.CancelledError) as exc:
+                    task = asyncio.current_task()
+                    if isinstance(exc, asyncio.CancelledError) and (
+                            task is None or task.cancelling()):
+                        raise  # our caller was cancelled, not the pool's doing
+                    if executor in self._killed and reruns < MAX_INNOCENT_RERUNS:
+                        reruns += 1  # another call's timeout killed this pool
+                        continue
+                    self._recycle(executor)
+                    raise RenderCrashed(
+                        f"{what}: render worker died (crash or out of memory)") from exc
 
     async def render(
         self, path: Path, index: int, min_side_px: int, max_pixels: int
