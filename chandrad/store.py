@@ -25,7 +25,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +97,10 @@ MIGRATIONS: tuple[str, ...] = (
         saved_at REAL NOT NULL
     );
     """,
+    # 2: jobs find their watch by input folder; list the folders with work quickly.
+    """
+    CREATE INDEX jobs_by_root ON jobs (input_root, state);
+    """,
 )
 
 _JOB_COLUMNS = """
@@ -118,8 +122,8 @@ class Job:
     """One accepted input file, as stored."""
 
     id: int
-    watch_index: int
-    input_root: Path
+    watch_index: int  # position of the watch when accepted; informational only
+    input_root: Path  # the watch's input folder (resolved): how the job finds its watch
     path: Path  # relative to input_root
     abs_path: Path
     size: int
@@ -332,8 +336,8 @@ class Store:
         running; or ``duplicates == "skip"`` and a job with the same content hash is
         pending, running or finished ``done`` (content duplicates, whatever their name,
         including copies in the same batch). A pending
-        job for the same path whose content changed is updated in place instead of
-        queueing the path twice.
+        job for the same path whose content changed is updated in place (its pages, if
+        a retry left any, are discarded) instead of queueing the path twice.
         """
         with self._tx():
             job_id = self._accept_one(watch_index, input_root, path, size, mtime, sha256,
@@ -383,11 +387,14 @@ class Store:
             if known_hash == sha256:
                 return None
             if state == JobState.PENDING:
+                # New content for a job not started (or retried): pages computed from
+                # the old content must not be mixed into it.
                 c.execute(
-                    "UPDATE jobs SET size = ?, mtime = ?, sha256 = ?, updated_at = ? "
-                    "WHERE id = ?",
+                    "UPDATE jobs SET size = ?, mtime = ?, sha256 = ?, pages_total = NULL, "
+                    "updated_at = ? WHERE id = ?",
                     (size, mtime, sha256, now, job_id),
                 )
+                c.execute("DELETE FROM pages WHERE job_id = ?", (job_id,))
                 return None
         if duplicates == "skip":
             # Pending and running count too: copies dropped together (one batch, one
@@ -405,6 +412,89 @@ class Store:
              now, now),
         )
         return cur.lastrowid
+
+    def supersede(self, job_id: int, size: int, mtime: float, sha256: str,
+                  duplicates: str = "process") -> Job | None:
+        """The input of an active job was replaced by other content: end the job as
+        ``cancelled`` with ``input_replaced`` (its pages came from content that no longer
+        exists; the input is left where it is) and accept the new content as a new job,
+        in one transaction. Returns the new job (``None`` when the new content is not
+        new work, e.g. already queued or skipped as a duplicate)."""
+        with self._tx() as c:
+            row = c.execute(
+                "SELECT watch_index, input_root, abs_path, state FROM jobs WHERE id = ?",
+                (job_id,)).fetchone()
+            if row is None:
+                raise InternalError(f"job {job_id} does not exist", job=job_id)
+            watch_index, input_root, abs_path, state = row
+            if JobState(state) in JOB_ACTIVE:
+                now = time.time()
+                c.execute(
+                    "UPDATE jobs SET state = 'cancelled', error_code = 'input_replaced', "
+                    "error_message = ?, finished_at = ?, updated_at = ? WHERE id = ?",
+                    (f"the input was replaced by other content (sha256 {sha256[:12]}…) "
+                     "before the job finished; the new content is queued as a new job",
+                     now, now, job_id))
+                c.execute("UPDATE pages SET state = 'pending', started_at = NULL "
+                          "WHERE job_id = ? AND state = 'in_flight'", (job_id,))
+            new_id = self._accept_one(watch_index, Path(input_root), Path(abs_path), size,
+                                      mtime, sha256, duplicates)
+        return None if new_id is None else self.get(new_id)
+
+    def next_jobs(self, roots: Collection[Path], exclude: Collection[int],
+                  limit: int) -> list[Job]:
+        """Jobs to start, at most ``limit``: resumed ``running`` ones first, then
+        ``pending``, each oldest first; only those whose ``input_root`` is in ``roots``
+        (a configured watch) and whose id is not in ``exclude``."""
+        if limit <= 0 or not roots:
+            return []
+        root_marks = ", ".join("?" * len(roots))
+        id_marks = ", ".join("?" * len(exclude))
+        out: list[Job] = []
+        for state in (JobState.RUNNING, JobState.PENDING):
+            rows = self._conn.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.state = ? "
+                f"AND j.input_root IN ({root_marks}) AND j.id NOT IN ({id_marks}) "
+                "ORDER BY j.id LIMIT ?",
+                (state.value, *(str(r) for r in roots), *exclude, limit - len(out)),
+            ).fetchall()
+            out += [_job(r) for r in rows]
+            if len(out) >= limit:
+                break
+        return out
+
+    def active_outside(self, roots: Collection[Path], limit: int = 20) -> tuple[int, list[Job]]:
+        """Pending and running jobs whose ``input_root`` is not in ``roots`` (their watch
+        is no longer configured): how many, and the oldest ``limit`` of them."""
+        known = {str(r) for r in roots}
+        gone = [r for r in self._roots_with_active_jobs() if r not in known]
+        if not gone:
+            return 0, []
+        where = (f"j.input_root IN ({', '.join('?' * len(gone))}) "
+                 "AND j.state IN ('pending', 'running')")
+        count = self._conn.execute(f"SELECT COUNT(*) FROM jobs j WHERE {where}",
+                                   gone).fetchone()[0]
+        rows = self._conn.execute(
+            f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE {where} ORDER BY j.id LIMIT ?",
+            (*gone, limit)).fetchall()
+        return int(count), [_job(r) for r in rows]
+
+    def _roots_with_active_jobs(self) -> list[str]:
+        """Distinct ``input_root`` of pending/running jobs: one index probe per input
+        folder ever used (a handful), not a scan of the backlog."""
+        out: list[str] = []
+        root = ""
+        while True:
+            row = self._conn.execute(
+                "SELECT input_root FROM jobs INDEXED BY jobs_by_root WHERE input_root > ? "
+                "ORDER BY input_root LIMIT 1", (root,)).fetchone()
+            if row is None:
+                return out
+            root = row[0]
+            if self._conn.execute(
+                    "SELECT 1 FROM jobs INDEXED BY jobs_by_root WHERE input_root = ? "
+                    "AND state IN ('pending', 'running') LIMIT 1", (root,)).fetchone():
+                out.append(root)
 
     def get(self, job_id: int) -> Job | None:
         """The job with this id, or ``None``."""
@@ -581,6 +671,14 @@ class Store:
         ).fetchall()
         return [_page(r) for r in rows]
 
+    def page(self, job_id: int, index: int) -> Page | None:
+        """One page of a job, or ``None``."""
+        row = self._conn.execute(
+            f"SELECT {_PAGE_COLUMNS} FROM pages WHERE job_id = ? AND page_index = ?",
+            (job_id, index),
+        ).fetchone()
+        return None if row is None else _page(row)
+
     def claim_page(self, job_id: int, index: int) -> None:
         """``pending -> in_flight``; charges one attempt."""
         with self._tx() as c:
@@ -615,16 +713,18 @@ class Store:
                 (error, time.time(), job_id, index),
             )
 
-    def release_page(self, job_id: int, index: int) -> None:
-        """``in_flight -> pending`` without charging the attempt (counted in ``releases``)."""
+    def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
+        """``in_flight -> pending``. Uncharged (the default: the engine failed under the
+        page) gives the attempt back and counts a release; charged keeps the attempt
+        (the answer was unusable and the page will be tried again)."""
         with self._tx() as c:
             self._check_page(job_id, index, PageState.PENDING)
-            c.execute(
-                "UPDATE pages SET state = 'pending', attempts = MAX(attempts - 1, 0), "
-                "releases = releases + 1, started_at = NULL "
-                "WHERE job_id = ? AND page_index = ?",
-                (job_id, index),
-            )
+            if charge:
+                sql = "UPDATE pages SET state = 'pending', started_at = NULL "
+            else:
+                sql = ("UPDATE pages SET state = 'pending', attempts = MAX(attempts - 1, 0), "
+                       "releases = releases + 1, started_at = NULL ")
+            c.execute(sql + "WHERE job_id = ? AND page_index = ?", (job_id, index))
 
     def release_all_in_flight(self) -> int:
         """Give every in-flight page back to the queue (engine died); returns how many."""

@@ -422,3 +422,27 @@ def test_kill_9_loses_nothing_and_recovers_in_flight(tmp_path: Path) -> None:
         finally:
             s.close()
     assert len(reported_done) >= 40
+
+
+def test_version_1_database_is_migrated_and_jobs_keep_their_watch(tmp_path: Path) -> None:
+    """A store written by the first schema opens: it gains the index jobs find their
+    watch's folder by (issue 15 #2), and its jobs are untouched."""
+    with sqlite3.connect(tmp_path / DB_NAME) as conn:
+        conn.executescript(MIGRATIONS[0])
+        conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO schema_version (version) VALUES (1)")
+        conn.execute(
+            "INSERT INTO jobs (watch_index, input_root, path, abs_path, size, mtime, sha256, "
+            "state, created_at, updated_at) VALUES (3, '/srv/gone', 'a.pdf', "
+            "'/srv/gone/a.pdf', 1, 1.0, ?, 'pending', 1.0, 1.0)", ("ab" * 32,))
+    s = Store.open(tmp_path)
+    try:
+        assert s.schema_version() == len(MIGRATIONS) >= 2
+        indexes = {r[0] for r in s._conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert "jobs_by_root" in indexes
+        count, jobs = s.active_outside([Path("/srv/in")])
+        assert count == 1 and jobs[0].input_root == Path("/srv/gone")
+        assert s.next_jobs([Path("/srv/gone")], (), 5)[0].path == Path("a.pdf")
+    finally:
+        s.close()
