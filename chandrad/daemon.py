@@ -363,6 +363,7 @@ class Daemon:
             },
             "engine": self.engine.snapshot(),
             "queue": self._counts(),
+            "held": self.pipeline.held() if self.pipeline else {"count": 0, "jobs": []},
             "throughput": {
                 "pages_per_min_1m": float(self.store.pages_done_since(now - 60)),
                 "pages_per_min_15m": round(self.store.pages_done_since(now - 900) / 15, 2),

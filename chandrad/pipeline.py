@@ -10,6 +10,15 @@ Saturation: page tasks render ahead of inference inside a window of
 engine's capacity (``max_num_seqs`` and ``/metrics``), not a fixed batch.
 Durability: every page result is committed to the store before it counts, so a
 restart resumes at page granularity and outputs are rebuilt from the store.
+
+A job finds its watch by the watch's input folder (``Job.input_root``), never by
+position, so a reload that reorders ``[[watch]]`` entries changes nothing; a job
+whose watch was removed is *held* (not started, listed in ``status``) until the
+watch is back or the job is cancelled. A job is bound to the content it was
+accepted with: the input is re-hashed when the job starts or resumes and before it
+is moved, and a replaced file is queued as new content (the old job ends
+``cancelled``/``input_replaced``). A job that cannot even be failed (say ``failed/``
+is not writable) is retried with exponential back-off, visible in ``status``.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import glob
 import hashlib
 import os
 import time
@@ -29,7 +39,14 @@ import structlog
 
 from chandrad import ocr, outputs
 from chandrad.config import Config, WatchConfig
-from chandrad.errors import EngineUnavailable, InputError, RenderCrashed, RenderTimeout
+from chandrad.errors import (
+    ChandradError,
+    EngineUnavailable,
+    InputError,
+    OutputError,
+    RenderCrashed,
+    RenderTimeout,
+)
 from chandrad.interfaces import EngineHandle
 from chandrad.render import RenderedPage, RenderPool
 from chandrad.states import JobState, PageState
@@ -40,6 +57,14 @@ log = structlog.get_logger("chandrad.pipeline")
 READ_CHUNK = 1 << 20
 #: Settled files hashed and accepted per store transaction.
 INTAKE_BATCH = 2000
+#: Requests of one page that may fail with the engine "unavailable" (connection lost,
+#: timeout, 5xx) without counting against its ``ocr.retries``; past this, a failing
+#: request is charged, so one poison page cannot keep a job (and a drain) alive forever.
+MAX_FREE_RELEASES = 3
+#: Back-off of a job whose run raised past its own error handling (e.g. its input could
+#: not be moved to ``failed/``): first delay, doubled each time, up to the cap.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 300.0
 
 _Settled = tuple[int, Path, Path, int, float]  # watch index, root, path, size, mtime
 
@@ -50,6 +75,37 @@ def sha256_file(path: Path) -> str:
         while chunk := fh.read(READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _fingerprint(path: Path) -> tuple[str, int, float]:
+    """sha256, size and mtime of ``path`` (raises FileNotFoundError when it is gone)."""
+    st = path.stat()
+    return sha256_file(path), st.st_size, st.st_mtime
+
+
+def _find_moved(job: Job, intended: Path) -> Path | None:
+    """Where the input went when a move to ``intended`` completed but its outcome was
+    never recorded: that path or a `` (n)`` variant of it, holding the job's content."""
+    if not intended.parent.is_dir():
+        return None
+    pattern = f"{glob.escape(intended.stem)} (*){glob.escape(intended.suffix)}"
+    for candidate in [intended, *sorted(intended.parent.glob(pattern))]:
+        try:
+            if (candidate.is_file() and not candidate.is_symlink()
+                    and candidate.stat().st_size == job.size
+                    and sha256_file(candidate) == job.sha256):
+                return candidate
+        except OSError:
+            continue
+    return None
+
+
+def _is_under(path: Path, folder: Path) -> bool:
+    try:
+        path.relative_to(folder)
+    except ValueError:
+        return False
+    return True
 
 
 def _hash_all(items: list[_Settled]) -> list[tuple[_Settled, str | None]]:
@@ -93,6 +149,16 @@ class _PageOutcome:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class _Backoff:
+    """A job whose last run raised past its own error handling, and when to retry it."""
+
+    until: float  # monotonic
+    failures: int
+    reason: str
+    file: str
+
+
 class Pipeline:
     """Runs accepted jobs to completion while the daemon lets it dispatch."""
 
@@ -110,6 +176,8 @@ class Pipeline:
         self._inflight = DynamicLimiter(self._request_limit)
         self._window = DynamicLimiter(lambda: self._request_limit() + 2 * self.workers)
         self._active: dict[int, asyncio.Task[None]] = {}
+        self._active_paths: dict[int, Path] = {}
+        self._backoff: dict[int, _Backoff] = {}
         self._wake = asyncio.Event()
         self._intake: list[_Settled] = []
         self._intake_ready = asyncio.Event()
@@ -139,12 +207,17 @@ class Pipeline:
                 del self._intake[:INTAKE_BATCH]
                 self._intake_busy = True
                 try:
-                    fresh = [item for item in batch
-                             if self.store.find_active(item[2]) is None]
+                    # Hash what is new or changed; a file whose active job recorded the
+                    # same size and mtime is that job's content (it re-hashes at start).
+                    fresh = [item for item in batch if not self._known(item)]
                     hashed = await asyncio.to_thread(_hash_all, fresh)
                     self._accept_batch(hashed)
                 finally:
                     self._intake_busy = False
+
+    def _known(self, item: _Settled) -> bool:
+        job = self.store.find_active(item[2])
+        return job is not None and job.size == item[3] and job.mtime == item[4]
 
     def _accept_batch(self, hashed: list[tuple[_Settled, str | None]]) -> None:
         by_policy: dict[str, list[tuple[int, Path, Path, int, float, str]]] = {}
@@ -186,36 +259,83 @@ class Pipeline:
     def _job_slots(self) -> int:
         return max(2, self._request_limit() // 2)
 
+    def _watches_by_root(self) -> dict[Path, WatchConfig]:
+        """Configured watches by their input folder as the watcher resolves it (the
+        ``input_root`` recorded with each job): a job's watch is found by identity."""
+        out: dict[Path, WatchConfig] = {}
+        for watch in self.config.watch:
+            out.setdefault(Path(os.path.realpath(watch.input)), watch)
+        return out
+
+    def _watch_for(self, job: Job) -> WatchConfig | None:
+        return self._watches_by_root().get(job.input_root)
+
     def _start_jobs(self) -> None:
         free = self._job_slots() - len(self._active)
         if free <= 0:
             return
-        candidates = [j for j in self.store.list_jobs(JobState.RUNNING.value, limit=100)
-                      if j.id not in self._active]
-        candidates.sort(key=lambda j: j.id)
-        if len(candidates) < free:
-            candidates += [j for j in self.store.next_pending(limit=free + len(self._active))
-                           if j.id not in self._active]
-        for job in candidates[:free]:
+        now = time.monotonic()
+        exclude = set(self._active) | {i for i, b in self._backoff.items() if b.until > now}
+        busy = set(self._active_paths.values())
+        roots = list(self._watches_by_root())
+        for job in self.store.next_jobs(roots, exclude, free):
+            if job.abs_path in busy:
+                continue  # a superseded job still finishing on the same file
+            busy.add(job.abs_path)
             task = asyncio.create_task(self.run_job(job))
             self._active[job.id] = task
+            self._active_paths[job.id] = job.abs_path
             task.add_done_callback(self._job_finished)
 
     def _job_finished(self, task: asyncio.Task[None]) -> None:
         for job_id, active in list(self._active.items()):
             if active is task:
                 del self._active[job_id]
+                self._active_paths.pop(job_id, None)
+                if not task.cancelled() and task.exception() is not None:
+                    self._back_off(job_id, task.exception())
         self._wake.set()
+
+    def _back_off(self, job_id: int, exc: BaseException | None) -> None:
+        """The job's run raised past its own error handling: retry it later, not now.
+
+        Without this the job, still ``running``, would be dispatched again at once.
+        """
+        previous = self._backoff.get(job_id)
+        failures = previous.failures + 1 if previous else 1
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1))
+        reason = exc.message if isinstance(exc, ChandradError) else f"{type(exc).__name__}: {exc}"
+        job = self.store.get(job_id)
+        self._backoff[job_id] = _Backoff(time.monotonic() + delay, failures, reason,
+                                         str(job.abs_path) if job else "")
+        # Our own errors carry their reason; anything else is a bug: keep its traceback.
+        log.error("job_stuck", job=job_id, failures=failures, retry_in_s=delay, error=reason,
+                  exc_info=None if isinstance(exc, ChandradError) else exc)
+
+    def held(self) -> dict[str, Any]:
+        """Accepted jobs that are not being worked on, and why (for ``status``): their
+        watch is no longer configured, or they are backing off after an error that
+        left them unfinished."""
+        count, orphans = self.store.active_outside(list(self._watches_by_root()))
+        now = time.monotonic()
+        jobs: list[dict[str, Any]] = [{
+            "id": j.id, "file": str(j.abs_path), "reason": "watch_removed",
+            "message": f"no configured watch has input {j.input_root} any more; put it "
+                       "back in the config and reload, or cancel the job"} for j in orphans]
+        jobs += [{"id": job_id, "file": b.file, "reason": "backoff", "message": b.reason,
+                  "failures": b.failures, "retry_in_s": round(max(0.0, b.until - now), 1)}
+                 for job_id, b in sorted(self._backoff.items())]
+        return {"count": count + len(self._backoff), "jobs": jobs}
 
     @property
     def active_jobs(self) -> int:
         return len(self._active)
 
     def idle(self) -> bool:
-        """No accepted work left (used by drain)."""
-        counts = self.store.counts()
+        """No accepted work left that can run (used by drain). Jobs held because their
+        watch was removed do not count: nothing but the operator can run them."""
         return (not self._active and not self._intake and not self._intake_busy
-                and counts.get("pending", 0) == 0 and counts.get("active", 0) == 0)
+                and not self.store.next_jobs(list(self._watches_by_root()), (), 1))
 
     async def cancel_job(self, job_id: int) -> bool:
         task = self._active.get(job_id)
@@ -226,11 +346,15 @@ class Pipeline:
         for page in self.store.pages(job_id):
             if page.state is PageState.IN_FLIGHT:
                 self.store.release_page(job_id, page.index)
+        self._backoff.pop(job_id, None)
         job = self.store.get(job_id)
         if job is None or not self.store.cancel(job_id):
             return False
-        if job.abs_path.exists():
-            watch = self.config.watch[job.watch_index]
+        watch = self._watch_for(job)
+        if watch is None:
+            log.warning("job_cancelled_in_place", job=job.id, file=str(job.abs_path),
+                        reason="its watch is no longer configured; the input is left there")
+        elif job.abs_path.exists():
             final = outputs.move_to(watch.failed, job.input_root, job.abs_path)
             outputs.write_error_json(final, "cancelled", "cancelled by the operator",
                                      job.attempts, {"created": job.created_at,
@@ -252,28 +376,86 @@ class Pipeline:
 
     # ------------------------------------------------------------ one job
     async def run_job(self, job: Job) -> None:
-        """Probe, render, infer, write, move: the whole life of one accepted file."""
+        """Probe, render, infer, write, move: the whole life of one accepted file.
+
+        Raises only what its own failure handling raised (the input could not be moved
+        to ``failed/``); the dispatcher then backs the job off.
+        """
         started = time.monotonic()
-        watch = self.config.watch[job.watch_index]
+        watch = self._watch_for(job)
+        if watch is None:  # its watch went away between dispatch and now: held
+            return
         try:
-            if job.state is JobState.PENDING:
-                self.store.set_job_state(job.id, JobState.RUNNING)
-            info = await self.render.probe(job.abs_path, self.config.ocr.max_pages)
-            self.store.set_job_state(job.id, JobState.RUNNING, pages_total=info.page_count)
-            self.store.init_pages(job.id, info.page_count)
-            todo = [p.index for p in self.store.pages(job.id)
-                    if p.state in (PageState.PENDING, PageState.IN_FLIGHT)]
-            await asyncio.gather(*(self._page(job, i) for i in todo))
-            await self._finish(job, watch, started)
+            await self._run(job, watch, started)
         except InputError as exc:
-            self._fail_job(job, watch, exc.code, exc.message)
+            await self._fail_job(job, watch, exc.code, exc.message)
         except FileNotFoundError as exc:
-            self._fail_job(job, watch, "input_vanished", f"the input disappeared: {exc}")
+            await self._fail_job(job, watch, "input_vanished", f"the input disappeared: {exc}")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one bad file must never stop the daemon
             log.exception("job_crashed", job=job.id, file=str(job.abs_path))
-            self._fail_job(job, watch, "internal_error", f"{type(exc).__name__}: {exc}")
+            await self._fail_job(job, watch, "internal_error", f"{type(exc).__name__}: {exc}")
+        self._backoff.pop(job.id, None)
+
+    async def _run(self, job: Job, watch: WatchConfig, started: float) -> None:
+        if job.state is JobState.PENDING:
+            self.store.set_job_state(job.id, JobState.RUNNING)
+        if not job.abs_path.exists() and await self._complete_moved(job, watch, started):
+            return
+        if not await self._same_content(job, watch):
+            return
+        info = await self.render.probe(job.abs_path, self.config.ocr.max_pages)
+        self.store.set_job_state(job.id, JobState.RUNNING, pages_total=info.page_count)
+        self.store.init_pages(job.id, info.page_count)
+        todo = [p.index for p in self.store.pages(job.id)
+                if p.state in (PageState.PENDING, PageState.IN_FLIGHT)]
+        try:
+            # A TaskGroup, not gather: when one page raises, its siblings are cancelled
+            # instead of running on for a job that has failed.
+            async with asyncio.TaskGroup() as group:
+                for i in todo:
+                    group.create_task(self._page(job, i))
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        finally:
+            # A cancelled page leaves its claim behind; give it back so the page can
+            # be claimed again (a retry, a resume) instead of being stuck in flight.
+            for page in self.store.pages(job.id):
+                if page.state is PageState.IN_FLIGHT:
+                    self.store.release_page(job.id, page.index)
+        await self._finish(job, watch, started)
+
+    async def _same_content(self, job: Job, watch: WatchConfig) -> bool:
+        """Whether the input still holds the content the job was accepted with; when it
+        does not, end the job and queue the new content as a new job."""
+        digest, size, mtime = await asyncio.to_thread(_fingerprint, job.abs_path)
+        if digest == job.sha256:
+            return True
+        new = self.store.supersede(job.id, size, mtime, digest, watch.duplicates)
+        log.warning("input_replaced", job=job.id, file=str(job.abs_path), old_sha256=job.sha256,
+                    sha256=digest, new_job=new.id if new else None)
+        self._wake.set()
+        return False
+
+    async def _complete_moved(self, job: Job, watch: WatchConfig, started: float) -> bool:
+        """The input is gone from the inbox: if a move recorded before a crash completed
+        (``final_path`` holds the job's content), record the outcome it was moving for."""
+        # The destination is recorded before each move; a job from before that record
+        # existed can only have been moving to done/.
+        intended = job.final_path or watch.done / job.abs_path.relative_to(job.input_root)
+        moved = await asyncio.to_thread(_find_moved, job, intended)
+        if moved is None:
+            return False
+        log.info("job_move_recovered", job=job.id, file=str(job.abs_path), final=str(moved))
+        if _is_under(moved, watch.failed):
+            outputs.write_error_json(moved, job.error_code or "internal_error",
+                                     job.error_message or "", job.attempts,
+                                     {"accepted": job.created_at, "failed": time.time()})
+            self.store.set_job_state(job.id, JobState.FAILED, final_path=moved)
+            return True
+        await self._finish(job, watch, started, moved=moved)
+        return True
 
     async def _page(self, job: Job, index: int) -> None:
         await self._window.acquire()
@@ -285,7 +467,9 @@ class Pipeline:
                 self.store.fail_page(job.id, index, outcome.error or "failed")
                 log.warning("page_failed", job=job.id, page=index + 1, error=outcome.error)
         except InputError as exc:
-            self.store.claim_page(job.id, index)
+            stored = self.store.page(job.id, index)
+            if stored is not None and stored.state is PageState.PENDING:
+                self.store.claim_page(job.id, index)  # charge the attempt it cost
             self.store.fail_page(job.id, index, f"{exc.code}: {exc.message}")
             log.warning("page_failed", job=job.id, page=index + 1, error=exc.message)
         finally:
@@ -321,9 +505,18 @@ class Pipeline:
             try:
                 reply = await self.engine.chat(body, timeout=cfg.request_timeout)
             except EngineUnavailable as exc:
-                # The engine failed under the page: give it back, uncharged, and wait.
-                self.store.release_page(job.id, index)
                 self.engine.report_failure("request failed", str(exc))
+                page = self.store.page(job.id, index)
+                if page is not None and page.releases >= MAX_FREE_RELEASES:
+                    # This page's requests keep failing: from now on they count.
+                    self.store.release_page(job.id, index, charge=True)
+                    attempt += 1
+                    last_error = f"request failed: {exc.message}"
+                    log.warning("page_request_failed", job=job.id, page=index + 1,
+                                attempt=attempt, error=exc.message)
+                else:
+                    # The engine failed under the page: give it back, uncharged, and wait.
+                    self.store.release_page(job.id, index)
                 await asyncio.sleep(0.5)
                 continue
             except ValueError as exc:
@@ -331,9 +524,12 @@ class Pipeline:
             finally:
                 await self._inflight.release()
             text, finish = _reply_text(reply)
-            outcome = await self.render.postprocess(
-                text, finish, png, include_images=cfg.include_images,
-                include_headers_footers=cfg.include_headers_footers)
+            try:
+                outcome: ocr.PageResult | str = await self.render.postprocess(
+                    text, finish, png, include_images=cfg.include_images,
+                    include_headers_footers=cfg.include_headers_footers)
+            except (RenderCrashed, RenderTimeout) as exc:
+                outcome = f"post-processing failed: {exc.message}"
             attempt += 1
             if isinstance(outcome, ocr.PageResult):
                 result = outcome
@@ -346,18 +542,29 @@ class Pipeline:
                 return _PageOutcome(True)
             last_error = f"{outcome} after {attempt} attempt(s)"
             if attempt <= cfg.retries:
-                self.store.release_page(job.id, index)
+                self.store.release_page(job.id, index, charge=True)
         return _PageOutcome(False, f"retries exhausted: {last_error}")
 
     def _output_dir(self, job: Job) -> Path:
-        watch = self.config.watch[job.watch_index]
+        watch = self._watch_for(job)
+        if watch is None:
+            raise OutputError(f"no configured watch has input {job.input_root} any more")
         return outputs.output_dir_for(watch.output, job.input_root, job.abs_path)
 
-    async def _finish(self, job: Job, watch: WatchConfig, started: float) -> None:
+    async def _finish(self, job: Job, watch: WatchConfig, started: float,
+                      moved: Path | None = None) -> None:
+        """Write the outputs from the store, then move the input to ``done/``.
+
+        The intended destination is recorded before the move, so a crash between the
+        move and the final record is completed at resume (``moved``: where the input was
+        found then) instead of failing a job whose outputs are complete.
+        """
+        if moved is None and not await self._same_content(job, watch):
+            return  # replaced while the job ran: its pages may mix two versions
         pages = self.store.pages(job.id)
         page_outputs = [_page_output(p) for p in pages]
         failed = sum(1 for p in pages if p.state is PageState.FAILED)
-        out_dir = self._output_dir(job)
+        out_dir = outputs.output_dir_for(watch.output, job.input_root, job.abs_path)
         stem = job.abs_path.stem
         metadata = {
             "source": str(job.path),
@@ -373,17 +580,31 @@ class Pipeline:
         }
         await asyncio.to_thread(outputs.write_document, out_dir, stem, page_outputs, metadata,
                                 self.config.ocr.formats)
-        final = outputs.move_to(watch.done, job.input_root, job.abs_path)
+        final = moved or self._move_input(job, watch.done)
         state = JobState.PARTIAL if failed else JobState.DONE
         self.store.set_job_state(job.id, state, output_dir=out_dir, final_path=final)
         log.info("job_done", job=job.id, file=str(job.path), pages=len(pages),
                  pages_failed=failed, seconds=metadata["seconds"], state=state.value,
                  output=str(out_dir))
 
-    def _fail_job(self, job: Job, watch: WatchConfig, code: str, message: str) -> None:
+    def _move_input(self, job: Job, folder: Path, error_code: str | None = None,
+                    error_message: str | None = None) -> Path:
+        """Record where the input is going (with the error it fails for, if any), then
+        move it there."""
+        current = self.store.get(job.id)
+        state = current.state if current else JobState.RUNNING
+        intended = folder / job.abs_path.relative_to(job.input_root)
+        self.store.set_job_state(job.id, state, final_path=intended, error_code=error_code,
+                                 error_message=error_message)
+        return outputs.move_to(folder, job.input_root, job.abs_path)
+
+    async def _fail_job(self, job: Job, watch: WatchConfig, code: str, message: str) -> None:
         final: Path | None = None
         if job.abs_path.exists():
-            final = outputs.move_to(watch.failed, job.input_root, job.abs_path)
+            with contextlib.suppress(OSError):  # unreadable: fail what is there
+                if not await self._same_content(job, watch):
+                    return  # replaced: the new content is queued, not failed for the old
+            final = self._move_input(job, watch.failed, error_code=code, error_message=message)
             outputs.write_error_json(final, code, message, job.attempts + 1, {
                 "accepted": job.created_at, "failed": time.time()})
         self.store.set_job_state(job.id, JobState.FAILED, error_code=code,

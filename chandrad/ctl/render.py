@@ -118,6 +118,12 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
         summary.rows.append(("fatal", text(engine.get("fatal_reason"))))
     summary.rows.append(("queue", "  ".join(
         f"{k} {text(queue.get(k, 0))}" for k in ("pending", "active", "done", "failed"))))
+    held = r.get("held") or {}
+    for job in (held.get("jobs") or [])[:10]:
+        if isinstance(job, dict):
+            summary.rows.append((f"held job {text(job.get('id'))}",
+                                 f"{text(job.get('reason'))}: {text(job.get('message'))} "
+                                 f"({text(job.get('file'))})"))
     summary.rows.append(("pages/min", f"{text(rate.get('pages_per_min_1m'))} (1m)  "
                                       f"{text(rate.get('pages_per_min_15m'))} (15m)"))
     blocks: list[Block] = [summary]

@@ -1,0 +1,655 @@
+"""The pipeline's own rules, on the real Pipeline, Store (SQLite), RenderPool (worker
+processes) and EngineSupervisor, with real files in real folders.
+
+The engine is the only stand-in, and only at the HTTP boundary: :class:`StandinEngine`
+is an OpenAI-compatible server (``/health``, ``/v1/models``, ``/metrics``,
+``/v1/chat/completions``) that the supervisor watches as a remote engine
+(``engine.url``). It answers per page (told apart by the page image's width) as each
+test needs: a layout, an error status, or slowly. These rules need no inference, and
+a stand-in makes the failures they guard against deterministic (issue 15).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image, ImageDraw
+
+import chandrad.pipeline as pipeline_module
+from chandrad.config import Config, load_config
+from chandrad.daemon import NvmlProbe
+from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.outputs import move_to
+from chandrad.pipeline import Pipeline, sha256_file
+from chandrad.render import RenderPool
+from chandrad.states import EngineState, JobState, PageState
+from chandrad.store import Job, Store
+
+MODEL = "standin"
+
+
+@dataclass
+class Reply:
+    """How the stand-in answers a page: status, delay, content."""
+
+    status: int = 200
+    delay: float = 0.0
+    content: str = '<div data-bbox="10 10 990 200" data-label="Text"><p>Stand-in page.</p></div>'
+    raw: bytes | None = None  # a body that is not a chat completion
+
+
+@dataclass
+class StandinEngine:
+    """An OpenAI-compatible HTTP server on a free port, in a thread."""
+
+    replies: dict[int, Reply] = field(default_factory=dict)  # by page image width
+    default: Reply = field(default_factory=Reply)
+    requests: list[tuple[float, int]] = field(default_factory=list)  # (time, width)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def widths(self) -> list[int]:
+        return [w for _, w in self.requests]
+
+    def start(self) -> None:
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path == "/health":
+                    self._send(200, b"")
+                elif self.path == "/v1/models":
+                    self._send(200, json.dumps({"object": "list",
+                                                "data": [{"id": MODEL}]}).encode())
+                elif self.path == "/metrics":
+                    self._send(200, b"", "text/plain")
+                else:
+                    self._send(404, b"{}")
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                width = _png_width(body)
+                standin.requests.append((time.monotonic(), width))
+                reply = standin.replies.get(width, standin.default)
+                time.sleep(reply.delay)
+                if reply.status != 200:
+                    self._send(reply.status, b'{"error": "stand-in failure"}')
+                    return
+                if reply.raw is not None:
+                    self._send(200, reply.raw)
+                    return
+                answer = {"id": "x", "object": "chat.completion", "model": MODEL,
+                          "choices": [{"index": 0, "finish_reason": "stop",
+                                       "message": {"role": "assistant",
+                                                   "content": reply.content}}]}
+                self._send(200, json.dumps(answer).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def _png_width(body: dict[str, Any]) -> int:
+    for message in body.get("messages", []):
+        for part in message.get("content") or []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+                return int(struct.unpack(">I", data[16:20])[0])
+    return 0
+
+
+@pytest.fixture
+def standin() -> Iterator[StandinEngine]:
+    engine = StandinEngine()
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def make_image(path: Path, width: int = 1120, height: int = 1400, text: str = "page") -> Path:
+    """A real PNG with some text on it; ``width`` picks the stand-in's reply (the page is
+    sent at this width: it is on the 28-px grid and within the pixel budget)."""
+    img = Image.new("RGB", (width, height), "white")
+    ImageDraw.Draw(img).text((40, 40), text, fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, format="PNG")
+    return path
+
+
+def make_tiff(path: Path, widths: list[int], height: int = 1400) -> Path:
+    """A multi-page TIFF, one page per width."""
+    frames = [Image.new("RGB", (w, height), "white") for w in widths]
+    for i, frame in enumerate(frames):
+        ImageDraw.Draw(frame).text((40, 40), f"page {i + 1}", fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames[0].save(path, format="TIFF", save_all=True, append_images=frames[1:])
+    return path
+
+
+@dataclass
+class Folders:
+    input: Path
+    output: Path
+    done: Path
+    failed: Path
+
+
+def folders(root: Path, name: str) -> Folders:
+    f = Folders(root / name / "in", root / name / "out", root / name / "done",
+                root / name / "failed")
+    for p in (f.input, f.output, f.done, f.failed):
+        p.mkdir(parents=True, exist_ok=True)
+    return f
+
+
+def write_config(root: Path, standin: StandinEngine, watches: list[Folders],
+                 **ocr: Any) -> Config:
+    ocr_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in
+                          {"retries": 1, "render_workers": 1, **ocr}.items())
+    watch_text = "\n".join(f"""
+[[watch]]
+input = "{w.input}"
+output = "{w.output}"
+done = "{w.done}"
+failed = "{w.failed}"
+""" for w in watches)
+    path = root / "chandrad.toml"
+    path.write_text(f"""
+[daemon]
+state_dir = "{root / 'state'}"
+{watch_text}
+[engine]
+url = "{standin.url}"
+served_model_name = "{MODEL}"
+model = "{MODEL}"
+
+[ocr]
+{ocr_lines}
+""")
+    return load_config(path)
+
+
+def accept(store: Store, watch: Folders, path: Path, watch_index: int = 0,
+           duplicates: str = "process") -> Job:
+    """Record a settled file as the watcher + intake would (real hash, real stat)."""
+    st = path.stat()
+    root = Path(os.path.realpath(watch.input))
+    job = store.accept(watch_index, root, root / path.relative_to(watch.input), st.st_size,
+                       st.st_mtime, sha256_file(path), duplicates)
+    assert job is not None
+    return job
+
+
+@dataclass
+class Running:
+    pipeline: Pipeline
+    store: Store
+    engine: EngineSupervisor
+    pool: RenderPool
+
+    def job(self, job_id: int) -> Job:
+        job = self.store.get(job_id)
+        assert job is not None
+        return job
+
+    async def wait(self, what: str, predicate: Callable[[], bool],
+                   timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                jobs = [(j.id, j.state.value, j.error_code, j.error_message)
+                        for j in self.store.list_jobs()]
+                raise AssertionError(f"timed out waiting for {what}; jobs: {jobs}")
+            await asyncio.sleep(0.1)
+
+    async def wait_finished(self, job_id: int, timeout: float = 60.0) -> Job:
+        await self.wait(f"job {job_id} to finish",
+                        lambda: self.job(job_id).state not in (JobState.PENDING,
+                                                               JobState.RUNNING), timeout)
+        return self.job(job_id)
+
+
+@contextlib.asynccontextmanager
+async def running(config: Config, store: Store | None = None,
+                  render_timeout: float = 300.0) -> AsyncIterator[Running]:
+    """The real pipeline with its real parts, as the daemon wires them."""
+    own_store = store is None
+    store = store or Store.open(config.daemon.state_dir)
+    engine = EngineSupervisor(config.engine, config.ocr, gpu=NvmlProbe(), profiles=store)
+    pool = RenderPool(config.ocr.render_workers, timeout=render_timeout)
+    pipeline = Pipeline(config, store, engine, pool)
+    engine_task = asyncio.create_task(engine.run())
+    pipeline_task = asyncio.create_task(pipeline.run())
+    run = Running(pipeline, store, engine, pool)
+    try:
+        await run.wait("the engine", lambda: engine.state is EngineState.READY, 30)
+        yield run
+    finally:
+        # Python 3.11's wait_for can swallow a cancel that races its timeout: insist.
+        while not pipeline_task.done():
+            pipeline_task.cancel()
+            await asyncio.wait({pipeline_task}, timeout=1.0)
+        for task in list(pipeline._active.values()):
+            task.cancel()
+        await asyncio.gather(*pipeline._active.values(), return_exceptions=True)
+        await engine.shutdown()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(engine_task, 30)
+        pool.close()
+        if own_store:
+            store.close()
+
+
+def run_async(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(body())
+
+
+async def _nothing() -> None:
+    pass
+
+
+def _task_serial() -> int:
+    """asyncio numbers the tasks it creates (``Task-<n>``): the last number given."""
+    task = asyncio.get_running_loop().create_task(_nothing())
+    task.cancel()
+    return int(task.get_name().rsplit("-", 1)[1])
+
+
+async def tasks_started_over(seconds: float) -> int:
+    """How many asyncio tasks the process starts while the loop runs for ``seconds``."""
+    before = _task_serial()
+    await asyncio.sleep(seconds)
+    return _task_serial() - before - 1
+
+
+# ----------------------------------------------------------------- issue 15 #2
+
+
+def test_job_follows_its_watch_by_input_folder_not_position(tmp_path: Path,
+                                                           standin: StandinEngine) -> None:
+    """A restart whose config reorders the watches sends the job's outputs and input to
+    its own watch's folders, not to the watch now at its old position."""
+    a, b = folders(tmp_path, "a"), folders(tmp_path, "b")
+    store = Store.open(write_config(tmp_path, standin, [a, b]).daemon.state_dir)
+    job = accept(store, b, make_image(b.input / "doc_b.png"), watch_index=1)
+    reordered = write_config(tmp_path, standin, [b, a])
+
+    async def body() -> None:
+        async with running(reordered, store) as run:
+            done = await run.wait_finished(job.id)
+            assert done.state is JobState.DONE
+            assert (b.done / "doc_b.png").is_file() and (b.output / "doc_b").is_dir()
+            assert not any(a.done.iterdir()) and not any(a.output.iterdir())
+
+    try:
+        run_async(body)
+    finally:
+        store.close()
+
+
+def test_job_whose_watch_was_removed_is_held_visibly(tmp_path: Path,
+                                                     standin: StandinEngine) -> None:
+    """A restart without the job's watch: the job is held, without the dispatcher
+    spinning on it, listed in status with the reason; a drain does not wait for it, and
+    it runs to its own folders once the watch is back."""
+    a, c = folders(tmp_path, "a"), folders(tmp_path, "c")
+    with_c = write_config(tmp_path, standin, [a, c])
+    store = Store.open(with_c.daemon.state_dir)
+    job = accept(store, c, make_image(c.input / "doc_c.png"), watch_index=1)
+    without_c = write_config(tmp_path, standin, [a])
+
+    async def body() -> None:
+        async with running(without_c, store) as run:
+            await asyncio.sleep(1.0)
+            started = await tasks_started_over(3.0)
+            assert started < 60, f"the dispatcher spins on the held job: {started} tasks"
+            assert run.job(job.id).state is JobState.PENDING
+            assert (c.input / "doc_c.png").is_file()
+            held = run.pipeline.held()
+            assert held["count"] == 1
+            assert (held["jobs"][0]["id"], held["jobs"][0]["reason"]) == (job.id,
+                                                                          "watch_removed")
+            assert str(c.input.resolve()) in held["jobs"][0]["message"]
+            assert run.pipeline.idle()
+        async with running(with_c, store) as run:
+            done = await run.wait_finished(job.id)
+            assert done.state is JobState.DONE and (c.done / "doc_c.png").is_file()
+            assert run.pipeline.held()["count"] == 0
+
+    try:
+        run_async(body)
+    finally:
+        store.close()
+
+
+# ----------------------------------------------------------------- issue 15 #3
+
+
+def test_job_that_cannot_be_failed_backs_off_and_stays_visible(tmp_path: Path,
+                                                              standin: StandinEngine) -> None:
+    """A bad input whose move to failed/ fails (here failed/ is a file, as it is in effect
+    on a full or read-only disk) is retried with back-off, not re-dispatched at once;
+    status lists it with the reason; once failed/ is usable the job fails normally."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+    (w.input / "empty.pdf").write_bytes(b"")
+    w.failed.rmdir()
+    w.failed.write_text("not a folder")
+
+    async def body() -> None:
+        async with running(config) as run:
+            job = accept(run.store, w, w.input / "empty.pdf")
+            await run.wait("the job to start", lambda: run.job(job.id).attempts == 1)
+            await asyncio.sleep(1.0)
+            started = await tasks_started_over(3.0)
+            # Each dispatch of the job is a task; the supervisor's probes are a few more.
+            assert started < 60, f"the unfailable job is re-run at full speed: {started} tasks"
+            await run.wait("a second try after the back-off",
+                           lambda: run.pipeline.held()["jobs"][0]["failures"] >= 2)
+            held = run.pipeline.held()["jobs"][0]
+            assert (held["id"], held["reason"]) == (job.id, "backoff")
+            assert "failed" in held["message"] and held["retry_in_s"] <= 4.0
+            assert run.job(job.id).state is JobState.RUNNING
+            assert (w.input / "empty.pdf").is_file()
+            w.failed.unlink()
+            w.failed.mkdir()
+            failed = await run.wait_finished(job.id, timeout=30)
+            assert failed.state is JobState.FAILED and failed.error_code == "empty_input"
+            assert (w.failed / "empty.pdf.error.json").is_file()
+            assert run.pipeline.held()["count"] == 0
+
+    run_async(body)
+
+
+# ----------------------------------------------------------------- issue 15 #4
+
+
+@pytest.mark.parametrize("failure", [Reply(status=500), Reply(delay=2.0)],
+                         ids=["5xx", "request-timeout"])
+def test_poison_page_ends_instead_of_retrying_forever(tmp_path: Path, standin: StandinEngine,
+                                                      failure: Reply) -> None:
+    """A page whose every request fails (a 5xx, or longer than ocr.request_timeout) while
+    the engine stays healthy is given back uncharged MAX_FREE_RELEASES times, then its
+    failures count: it fails after ocr.retries, the job ends partial and a drain can
+    finish. Its sibling page is done."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w], request_timeout=1.0)
+    standin.replies[1148] = failure  # page 2 of 2 is poison
+    make_tiff(w.input / "two.tif", [1120, 1148])
+
+    async def body() -> None:
+        async with running(config) as run:
+            job = accept(run.store, w, w.input / "two.tif")
+            finished = await run.wait_finished(job.id, timeout=60)
+            assert finished.state is JobState.PARTIAL
+            good, poison = run.store.pages(job.id)
+            assert good.state is PageState.DONE and poison.state is PageState.FAILED
+            free = pipeline_module.MAX_FREE_RELEASES
+            assert poison.releases == free
+            assert poison.error is not None and "request failed" in poison.error
+            # retries = 1: two charged requests after the free ones.
+            assert standin.widths().count(1148) == free + 2
+            assert run.pipeline.idle()
+
+    run_async(body)
+
+
+# ----------------------------------------------------------------- issue 15 #6
+
+
+def _metadata(out_dir: Path) -> dict[str, Any]:
+    found = list(out_dir.glob("*metadata.json")) + list(out_dir.glob("*.json"))
+    assert found, f"no JSON output in {out_dir}: {list(out_dir.iterdir())}"
+    for path in found:
+        data = json.loads(path.read_text())
+        meta = data.get("metadata", data) if isinstance(data, dict) else {}
+        if isinstance(meta, dict) and "source_sha256" in meta:
+            return meta
+    raise AssertionError(f"no source_sha256 in {found}")
+
+
+def test_file_replaced_while_pending_is_processed_as_new_content(
+        tmp_path: Path, standin: StandinEngine) -> None:
+    """A job accepted for one content whose file is replaced before it starts: the job
+    ends cancelled (input_replaced) and the new content is a new job whose outputs name
+    the new content's sha256, and which moves exactly that content to done/."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+    store = Store.open(config.daemon.state_dir)
+    doc = make_image(w.input / "doc.png", text="version one")
+    old = accept(store, w, doc)
+    make_image(tmp_path / "v2.png", text="version two, longer")
+    os.replace(tmp_path / "v2.png", doc)
+    new_sha = sha256_file(doc)
+
+    async def body() -> None:
+        async with running(config, store) as run:
+            await run.wait_finished(old.id)
+            replaced = run.job(old.id)
+            assert (replaced.state, replaced.error_code) == (JobState.CANCELLED,
+                                                             "input_replaced")
+            new = [j for j in run.store.list_jobs() if j.id != old.id]
+            assert len(new) == 1 and new[0].sha256 == new_sha
+            done = await run.wait_finished(new[0].id)
+            assert done.state is JobState.DONE
+            assert _metadata(w.output / "doc")["source_sha256"] == new_sha
+            assert sha256_file(w.done / "doc.png") == new_sha
+
+    try:
+        run_async(body)
+    finally:
+        store.close()
+
+
+def test_file_replaced_while_running_is_not_moved_with_old_results(
+        tmp_path: Path, standin: StandinEngine) -> None:
+    """The file is replaced while its page is at the engine: the running job must not
+    move the new bytes to done/ under outputs made from the old ones. The new version,
+    settled and submitted as the watcher does, is hashed and queued; it is processed
+    from its own bytes."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+    standin.replies[1120] = Reply(delay=3.0)  # version one is slow at the engine
+    doc = make_image(w.input / "doc.png", width=1120, text="version one")
+
+    async def body() -> None:
+        async with running(config) as run:
+            old = accept(run.store, w, doc)
+            await run.wait("the page at the engine", lambda: 1120 in standin.widths())
+            make_image(tmp_path / "v2.png", width=1148, text="version two")
+            os.replace(tmp_path / "v2.png", doc)
+            new_sha = sha256_file(doc)
+            st = doc.stat()
+            run.pipeline.submit(0, Path(os.path.realpath(w.input)), doc.resolve(),
+                                st.st_size, st.st_mtime)
+            await run.wait("the new version queued",
+                           lambda: any(j.sha256 == new_sha for j in run.store.list_jobs()))
+            await run.wait_finished(old.id)
+            assert run.job(old.id).state is JobState.CANCELLED
+            new = next(j for j in run.store.list_jobs() if j.sha256 == new_sha)
+            done = await run.wait_finished(new.id)
+            assert done.state is JobState.DONE
+            assert _metadata(w.output / "doc")["source_sha256"] == new_sha
+            assert sha256_file(w.done / "doc.png") == new_sha
+            assert not (w.done / "doc (1).png").exists()
+            assert 1148 in standin.widths()  # the new version's page was OCR'd
+
+    run_async(body)
+
+
+# ----------------------------------------------------------------- issue 15 #9
+
+
+def test_crash_after_moving_input_to_done_completes_at_restart(
+        tmp_path: Path, standin: StandinEngine) -> None:
+    """The store as a crash leaves it between moving the input to done/ and recording
+    DONE (every page done, job running, input already in done/ under a clashing name):
+    the restarted pipeline finds the input in done/ and records the job done with its
+    outputs, instead of failing it as corrupt_input. No page is recomputed."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+    store = Store.open(config.daemon.state_dir)
+    doc = make_image(w.input / "doc.png")
+    (w.done / "doc.png").write_bytes(b"an older doc.png, another file")
+    job = accept(store, w, doc)
+    store.set_job_state(job.id, JobState.RUNNING, pages_total=1)
+    store.init_pages(job.id, 1)
+    store.claim_page(job.id, 0)
+    store.finish_page(job.id, 0, width=1120, height=1400, seconds=1.0,
+                      result={"markdown": "Stand-in page.", "html": "<p>Stand-in page.</p>",
+                              "blocks": [], "images": [], "attempts": 1})
+    moved = move_to(w.done, Path(os.path.realpath(w.input)), doc.resolve())
+    assert moved.name == "doc (1).png"
+    store.close()  # the crash: nothing more was recorded
+
+    async def body() -> None:
+        async with running(config) as run:
+            done = await run.wait_finished(job.id)
+            assert done.state is JobState.DONE, (done.error_code, done.error_message)
+            assert done.final_path == moved
+            assert "Stand-in page." in (w.output / "doc" / "doc.md").read_text()
+            assert standin.requests == []
+
+    run_async(body)
+
+
+# ----------------------------------------------------------------- issue 15 #7
+
+
+def test_render_timeout_times_the_work_not_the_wait_for_a_worker(tmp_path: Path) -> None:
+    """Pages queued on one worker: each renders in well under the timeout, all together
+    take longer than it. None may time out for having waited its turn."""
+    page = make_image(tmp_path / "page.png", width=2240, height=2800)
+
+    async def body() -> None:
+        pool = RenderPool(1, timeout=5.0)
+        try:
+            await pool.probe(page, 10)  # start the worker
+            await pool.render(page, 0, 1024, 6_291_456)  # load its imports
+            t0 = time.monotonic()
+            await pool.render(page, 0, 1024, 6_291_456)
+            one = time.monotonic() - t0
+            assert one < pool.timeout / 3
+            n = min(80, int(1.5 * pool.timeout / one) + 2)
+            t0 = time.monotonic()
+            pages = await asyncio.gather(*(pool.render(page, 0, 1024, 6_291_456)
+                                           for _ in range(n)))
+            assert time.monotonic() - t0 > pool.timeout  # the queue was longer than it
+            assert [p.width for p in pages] == [pages[0].width] * n
+        finally:
+            pool.close()
+
+    run_async(body)
+
+
+def test_a_timeout_does_not_fail_the_calls_sharing_the_pool(tmp_path: Path) -> None:
+    """One page overruns the timeout and the pool is killed for it; calls running on the
+    other worker at that moment are innocent: they rerun and succeed."""
+    tiff = make_tiff(tmp_path / "pages.tif", [1120, 1148, 1176])
+    huge = make_image(tmp_path / "huge.png", width=7000, height=9000)
+
+    async def body() -> None:
+        pool = RenderPool(2, timeout=8.0)
+        try:
+            await asyncio.gather(*(pool.probe(tiff, 10) for _ in range(2)))
+            slow = asyncio.create_task(pool.render(huge, 0, 1024, 60_000_000))
+            probed = 0
+            while not slow.done():
+                # Probes (no page imports: a worker restarts in well under the timeout)
+                # keep the second worker busy; one is in flight when the pool is killed.
+                assert (await pool.probe(tiff, 10)).page_count == 3  # raises if a victim
+                probed += 1
+            with pytest.raises(Exception, match="longer than 8 s"):
+                slow.result()
+            assert probed >= 3
+        finally:
+            pool.close()
+
+    run_async(body)
+
+
+def _big_layout(blocks: int) -> str:
+    return "".join(f'<div data-bbox="10 {i % 900} 990 {i % 900 + 50}" data-label="Text">'
+                   f"<p>block {i} with a few words in it</p></div>" for i in range(blocks))
+
+
+def test_post_processing_timeout_fails_the_page_not_the_job(tmp_path: Path,
+                                                           standin: StandinEngine) -> None:
+    """A page whose answer takes longer than the render timeout to post-process is
+    retried, then failed as a page (job partial); it is never claimed twice (which
+    failed the whole job as internal_error)."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+    standin.replies[1148] = Reply(content=_big_layout(12000))
+    make_tiff(w.input / "two.tif", [1120, 1148])
+
+    async def body() -> None:
+        async with running(config, render_timeout=8.0) as run:
+            job = accept(run.store, w, w.input / "two.tif")
+            finished = await run.wait_finished(job.id, timeout=120)
+            assert finished.state is JobState.PARTIAL, (finished.error_code,
+                                                        finished.error_message)
+            good, slow = run.store.pages(job.id)
+            assert good.state is PageState.DONE
+            assert slow.state is PageState.FAILED and "post-processing" in (slow.error or "")
+            assert standin.widths().count(1148) == 2  # retries = 1
+
+    run_async(body)
+
+
+def test_a_failing_page_cancels_its_siblings(tmp_path: Path, standin: StandinEngine) -> None:
+    """When one page fails the job (here a reply that is not a chat completion), the
+    job's other pages stop: the slow sibling's request is abandoned and its page given
+    back, not completed for a job already failed."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+    standin.replies[1120] = Reply(raw=b'{"choices": 5}')
+    standin.replies[1148] = Reply(delay=4.0)
+    make_tiff(w.input / "two.tif", [1148, 1120])
+
+    async def body() -> None:
+        async with running(config) as run:
+            job = accept(run.store, w, w.input / "two.tif")
+            await run.wait("both pages at the engine",
+                           lambda: sorted(standin.widths()) == [1120, 1148])
+            failed = await run.wait_finished(job.id)
+            assert failed.state is JobState.FAILED
+            await asyncio.sleep(5.0)  # the slow reply has come back by now
+            states = [p.state for p in run.store.pages(job.id)]
+            assert PageState.DONE not in states and PageState.IN_FLIGHT not in states, states
+            assert standin.widths().count(1148) == 1
+
+    run_async(body)
