@@ -43,7 +43,6 @@ from chandrad.errors import (
     ChandradError,
     EngineUnavailable,
     InputError,
-    OutputError,
     RenderCrashed,
     RenderTimeout,
 )
@@ -544,12 +543,6 @@ class Pipeline:
             if attempt <= cfg.retries:
                 self.store.release_page(job.id, index, charge=True)
         return _PageOutcome(False, f"retries exhausted: {last_error}")
-
-    def _output_dir(self, job: Job) -> Path:
-        watch = self._watch_for(job)
-        if watch is None:
-            raise OutputError(f"no configured watch has input {job.input_root} any more")
-        return outputs.output_dir_for(watch.output, job.input_root, job.abs_path)
 
     async def _finish(self, job: Job, watch: WatchConfig, started: float,
                       moved: Path | None = None) -> None:
