@@ -63,7 +63,7 @@ def test_kv_cache_too_small_for_a_page_raises_explicit_budget() -> None:
 
 def test_kv_cache_adds_memory_in_spec_order() -> None:
     """Without a usable N: raise utilization if NVML shows free memory, then eager, then offload."""
-    gpu = GpuFacts(total_gib=80, free_gib=20)
+    gpu = GpuFacts(total_gib=80, free_gib=76)
     p0 = MemoryProfile(gpu_memory_utilization=0.8)
     floors = DownshiftConfig(max_cpu_offload_gb=8)
     p1 = step(p0, "kv_cache_insufficient", gpu=gpu, floors=floors)
@@ -90,6 +90,36 @@ def test_kv_cache_below_floor_is_fatal() -> None:
     """A KV cache smaller than min_max_model_len cannot be fixed by a restart."""
     p = MemoryProfile(enforce_eager=True)
     assert step(p, "kv_cache_insufficient", {"estimated_max_model_len": 1500}) is None
+
+
+def test_kv_cache_raises_utilization_only_as_far_as_free_memory_allows() -> None:
+    """Issue 16 #4: 10 % of the GPU free is not room for +0.05 on top of 0.86 (free 0.89 −
+    margin = 0.86): the raise is capped there, so the ladder goes on to enforce_eager
+    instead of asking for 0.91, which fails "utilization too high" at the next start."""
+    gpu = GpuFacts(total_gib=79.19, free_gib=70.48)  # 0.89 free once the engine is gone
+    p = step(MemoryProfile(gpu_memory_utilization=0.86), "kv_cache_insufficient", gpu=gpu)
+    assert p == MemoryProfile(gpu_memory_utilization=0.86, enforce_eager=True)
+    partial = step(MemoryProfile(gpu_memory_utilization=0.8), "kv_cache_insufficient",
+                   gpu=GpuFacts(total_gib=80, free_gib=68))  # 0.85 - 0.03 = 0.82
+    assert partial == MemoryProfile(gpu_memory_utilization=0.82)
+
+
+def test_ladder_never_returns_to_a_profile_that_failed() -> None:
+    """Issue 16 #4: a step that leads back to a profile that already failed goes on from
+    there as that profile's own failure directs (0.86 ran out of KV cache → eager)."""
+    at_086 = MemoryProfile(gpu_memory_utilization=0.86)
+    at_091 = MemoryProfile(gpu_memory_utilization=0.91)
+    failed = {MemoryProfile(gpu_memory_utilization=0.9): ("gpu_memory_utilization_too_high",
+                                                          {"free_gib": 70.48, "total_gib": 79.19}),
+              at_086: ("kv_cache_insufficient", {})}
+    decision = next_profile(at_091, "gpu_memory_utilization_too_high",
+                            {"free_gib": 70.48, "total_gib": 79.19}, FLOORS,
+                            gpu=GpuFacts(79.19, 70.48), failed=failed, **BUDGET)  # type: ignore[arg-type]
+    assert decision.profile == MemoryProfile(gpu_memory_utilization=0.86, enforce_eager=True)
+    assert "already failed" in decision.reason
+    # Same class, same profile (a plain restart) is not "returning" to a failed profile.
+    same = next_profile(at_086, "other_fatal", {}, FLOORS, failed=failed, **BUDGET)  # type: ignore[arg-type]
+    assert same.profile == at_086
 
 
 def test_utilization_lowered_to_free_minus_margin() -> None:

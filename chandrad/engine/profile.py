@@ -7,6 +7,7 @@ the next profile, or why can a restart not help". No I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -137,6 +138,10 @@ def page_tokens(max_pixels: int, max_output_tokens: int) -> int:
     return PROMPT_TOKENS + max_pixels // PIXELS_PER_IMAGE_TOKEN + max_output_tokens
 
 
+#: A profile that already failed → (its failure class, the numbers its message gave).
+FailedProfiles = Mapping[MemoryProfile, tuple[str, dict[str, float]]]
+
+
 def next_profile(
     profile: MemoryProfile,
     failure: str,
@@ -146,8 +151,14 @@ def next_profile(
     max_pixels: int,
     max_output_tokens: int,
     gpu: GpuFacts | None = None,
+    failed: FailedProfiles | None = None,
 ) -> Decision:
     """One step down the ladder of SPEC §4.3 for failure class ``failure``.
+
+    Never returns to a profile in ``failed``: where the step leads to one, the ladder
+    goes on from there as that profile's own failure directs (so 0.86 that ran out of
+    KV cache, reached again after 0.91 did not fit, moves on to ``enforce_eager``
+    instead of bouncing between the two until the restart budget is spent).
 
     Args:
         profile: the profile the engine failed with.
@@ -157,7 +168,37 @@ def next_profile(
         max_pixels, max_output_tokens: the configured page budget (used unless the
             profile already lowered it).
         gpu: NVML facts, when there is a GPU.
+        failed: profiles that already failed in this run, with their failure.
     """
+    failed = failed or {}
+    decision = _step(profile, failure, numbers, floors, max_pixels, max_output_tokens, gpu)
+    visited = {profile}
+    while (decision.profile is not None and decision.profile not in visited
+           and decision.profile in failed):
+        skipped = decision.profile
+        visited.add(skipped)
+        old_failure, old_numbers = failed[skipped]
+        after = _step(skipped, old_failure, old_numbers, floors, max_pixels,
+                      max_output_tokens, gpu)
+        decision = Decision(after.profile, f"{decision.reason}; that profile already failed "
+                            f"({old_failure}), so: {after.reason}",
+                            degraded=decision.degraded or after.degraded)
+    if decision.profile is not None and decision.profile != profile \
+            and decision.profile in visited:
+        return Decision(None, f"{failure}: every next step leads back to a profile that "
+                        "already failed")
+    return decision
+
+
+def _step(
+    profile: MemoryProfile,
+    failure: str,
+    numbers: dict[str, float],
+    floors: DownshiftConfig,
+    max_pixels: int,
+    max_output_tokens: int,
+    gpu: GpuFacts | None,
+) -> Decision:
     pixels = profile.max_pixels or max_pixels
     out_tokens = profile.max_output_tokens or max_output_tokens
     if failure == "kv_cache_insufficient":
@@ -220,13 +261,17 @@ def _kv_cache(
                         f"needs {need}: kv_cache_memory_bytes {profile.kv_cache_memory_bytes} "
                         f"-> {target}, max_model_len {profile.max_model_len} -> {new_len}")
     util = profile.gpu_memory_utilization
-    if (util is not None and gpu is not None and gpu.free_gib is not None
-            and gpu.total_gib and util + UTILIZATION_STEP <= floors.max_gpu_memory_utilization
-            and gpu.free_gib / gpu.total_gib > UTILIZATION_STEP):
-        new_util = round(util + UTILIZATION_STEP, 2)
-        return Decision(profile.with_changes(gpu_memory_utilization=new_util),
-                        f"KV cache too small and the GPU has {gpu.free_gib:.1f} GiB free: "
-                        f"gpu_memory_utilization {util} -> {new_util}")
+    if util is not None and gpu is not None and gpu.free_gib is not None and gpu.total_gib:
+        # Raise only as far as what is free (the old engine is gone by now) allows, minus
+        # the margin: asking for more fails "utilization too high" at the next start.
+        fits = round(gpu.free_gib / gpu.total_gib - UTILIZATION_MARGIN, 2)
+        new_util = round(min(util + UTILIZATION_STEP, floors.max_gpu_memory_utilization,
+                             fits), 2)
+        if new_util >= round(util + 0.01, 2):
+            return Decision(profile.with_changes(gpu_memory_utilization=new_util),
+                            f"KV cache too small and the GPU has {gpu.free_gib:.1f} of "
+                            f"{gpu.total_gib:.1f} GiB free: gpu_memory_utilization {util} -> "
+                            f"{new_util}")
     if not profile.enforce_eager:
         return Decision(profile.with_changes(enforce_eager=True),
                         "KV cache too small: enforce_eager frees the CUDA graph memory")
