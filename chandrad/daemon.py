@@ -25,9 +25,17 @@ from chandrad import gpu as nvml
 from chandrad.config import Config, key_line, load_config
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
+from chandrad.engine.learned import installed_vllm_version
 from chandrad.engine.profile import GpuFacts
-from chandrad.engine.supervisor import EngineSupervisor, installed_vllm_version
-from chandrad.errors import ConfigError, ConfigProblem, ControlError, ExitCode, StateDirInUse
+from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.errors import (
+    ChandradError,
+    ConfigError,
+    ConfigProblem,
+    ControlError,
+    ExitCode,
+    StateDirInUse,
+)
 from chandrad.logs import configure_logging
 from chandrad.pipeline import Pipeline
 from chandrad.render import RenderPool
@@ -94,6 +102,11 @@ class Daemon:
         self.render: RenderPool | None = None
         self.control: ControlServer | None = None
         self._paused_before_drain = False
+        # A reload runs as a task beside the main loop (its flag check can take minutes),
+        # one at a time; requests that arrive meanwhile wait here in order.
+        self._reload_task: asyncio.Task[None] | None = None
+        self._reloads_waiting: list[_Command] = []
+        self.reload_phase = ""
 
     # ------------------------------------------------------------ lifecycle
     def _set_state(self, new: DaemonState, reason: str = "") -> None:
@@ -117,6 +130,8 @@ class Daemon:
             line += f"; ENGINE FATAL: {self.engine.fatal_reason} (chandractl engine restart)"
         elif self.engine and self.engine.state is EngineState.STARTING:
             line += " (engine loading)"
+        if self.state is DaemonState.RELOADING and self.reload_phase:
+            line += f"; reload: {self.reload_phase}"
         return line
 
     def _notify_status(self) -> None:
@@ -133,6 +148,13 @@ class Daemon:
         await self._startup()
         try:
             await self._main_loop()
+        except ChandradError as exc:
+            # cli.py maps the exception to the process status; daemon_stopped must say the same.
+            self.exit_code = exc.exit_code
+            raise
+        except Exception:
+            self.exit_code = ExitCode.SOFTWARE
+            raise
         finally:
             await self._shutdown()
         return int(self.exit_code)
@@ -213,9 +235,11 @@ class Daemon:
                 command = await asyncio.wait_for(self._commands.get(), timeout=TICK)
             except TimeoutError:
                 command = None
-            for task in self._tasks:
-                if task.done() and not task.cancelled() and task.exception() is not None:
+            for task in [*self._tasks, self._reload_task]:
+                if task is not None and task.done() and not task.cancelled() \
+                        and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
+            self._next_reload()
             if command is not None:
                 if command.name == "shutdown_now":
                     return
@@ -224,12 +248,28 @@ class Daemon:
                         return
                     continue
                 if command.name == "reload":
-                    await self._reload_command(command)
+                    self._reloads_waiting.append(command)
+                    self._next_reload()
             self._check_drained()
             line = self.status_line()
             if line != last_status:
                 last_status = line
                 self.notifier.status(line)
+
+    def _next_reload(self) -> None:
+        """Start the next waiting reload as a task unless one is running.
+
+        Not awaited by the main loop, so the loop keeps ticking (and pinging systemd's
+        watchdog) while the reload waits for vLLM's flag check (issue 16 #5).
+        """
+        if not self._reloads_waiting or (self._reload_task is not None
+                                         and not self._reload_task.done()):
+            return
+        if self.state not in (DaemonState.RUNNING, DaemonState.PAUSED, DaemonState.DRAINING,
+                              DaemonState.DRAINED):
+            return  # starting or stopping: it waits (and is dropped by shutdown)
+        command = self._reloads_waiting.pop(0)
+        self._reload_task = asyncio.create_task(self._reload_command(command), name="reload")
 
     async def _reload_command(self, command: _Command) -> None:
         """Run a reload; a refused one leaves the daemon running on the old config."""
@@ -239,12 +279,31 @@ class Daemon:
             if command.done is not None and not command.done.done():
                 command.done.set_exception(exc)
             return
+        except BaseException as exc:
+            if command.done is not None and not command.done.done():
+                command.done.set_exception(
+                    ControlError("internal_error", f"reload failed: {exc!r}"))
+            raise
+        finally:
+            self.reload_phase = ""
         if command.done is not None and not command.done.done():
             command.done.set_result(result)
+
+    async def _cancel_reload(self) -> None:
+        task, self._reload_task = self._reload_task, None
+        for waiting in self._reloads_waiting:
+            if waiting.done is not None and not waiting.done.done():
+                waiting.done.set_exception(ControlError("invalid_state", "daemon stopping"))
+        self._reloads_waiting.clear()
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     async def _drain_then_stop(self) -> bool:
         """SIGTERM: stop taking files, finish what is in flight, then stop (SPEC §7)."""
         assert self.pipeline is not None and self.engine is not None
+        await self._cancel_reload()
         self._set_state(DaemonState.STOPPING, "SIGTERM")
         self.notifier.stopping("draining: finishing accepted pages")
         self.pipeline.accepting = False
@@ -271,6 +330,7 @@ class Daemon:
             self._drain_waiters.clear()
 
     async def _shutdown(self) -> None:
+        await self._cancel_reload()
         if self.state is not DaemonState.STOPPING:
             self._set_state(DaemonState.STOPPING, "shutdown")
         self.notifier.stopping("stopping the engine")
@@ -315,7 +375,10 @@ class Daemon:
                                + exc.message) from exc
         problems = []
         if new.engine != self.config.engine and new.engine.supervised:
+            self.reload_phase = "checking the new engine flags with vLLM's parser"
+            self._notify_status()
             problems = await self.engine.check_flags(new.engine)
+            self.reload_phase = ""
         if problems:
             log.error("config_reload_refused", problems=[str(p) for p in problems])
             self._set_state(previous, "reload refused")
@@ -381,7 +444,8 @@ class Daemon:
 
     def version(self) -> dict[str, Any]:
         return {"daemon": __version__, "protocol": PROTOCOL_VERSION,
-                "engine": installed_vllm_version(), "pid": os.getpid()}
+                "engine": (self.engine.vllm_version if self.engine and self.engine.vllm_version
+                           else installed_vllm_version()), "pid": os.getpid()}
 
     async def pause(self) -> dict[str, Any]:
         assert self.pipeline is not None

@@ -27,6 +27,7 @@ import pytest
 from conftest import corpus_manifest
 
 from chandrad.engine.process import process_name, session_members
+from chandrad.engine.session import EngineIdentity, stale_engine_pids
 
 pytestmark = pytest.mark.engine
 
@@ -164,8 +165,9 @@ socket = "{d.socket}"
         d.proc.wait()
     # Never leave an engine behind, whatever failed above.
     session = root / "state" / "engine.session"
-    if session.exists():
-        for pid in session_members(int(session.read_text())):
+    identity = EngineIdentity.from_json(session.read_text()) if session.exists() else None
+    if identity is not None:
+        for pid in stale_engine_pids(identity):
             os.kill(pid, signal.SIGKILL)
 
 

