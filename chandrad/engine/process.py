@@ -4,10 +4,10 @@ Owns one ``vllm serve`` process *session*: the API server is started with
 ``start_new_session=True``, so it and everything it forks (``VLLM::EngineCore``,
 ``VLLM::Worker``) share its session id. vLLM leaves EngineCore and workers running
 (holding GPU memory) when only the API server dies, so stopping signals the whole
-process group and then hunts every process of the session through ``/proc`` — and,
-through the per-spawn token of :mod:`chandrad.engine.session`, every descendant that
-left the session with ``setsid``. Knows nothing about states or failure classes; the
-supervisor owns those.
+process group and then hunts every process of the session through ``/proc`` — plus
+whatever ``also_members`` finds (the supervisor passes the per-spawn token look-up of
+:mod:`chandrad.engine.session`, which catches descendants that left the session with
+``setsid``). Knows nothing about states or failure classes; the supervisor owns those.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from chandrad.engine.session import TOKEN_ENV, EngineIdentity, identify, new_token, token_holders
 
 #: Longest engine output line kept whole; longer lines are cut (tracebacks of tensors).
 MAX_LINE_BYTES = 64 * 1024
@@ -102,17 +100,17 @@ class EngineProcess:
         env: dict[str, str],
         on_line: LineSink,
         cwd: Path | None = None,
+        also_members: Callable[[], set[int]] | None = None,
     ) -> None:
         self.argv = list(argv)
-        self.token = new_token()
-        self.env = {**env, TOKEN_ENV: self.token}
+        self.env = env
+        self._also_members = also_members or set
         self.on_line = on_line
         self.cwd = cwd
         self._proc: asyncio.subprocess.Process | None = None
         self._readers: list[asyncio.Task[None]] = []
         self.started_at = 0.0
         self.known_pids: set[int] = set()
-        self.identity: EngineIdentity | None = None
 
     @property
     def pid(self) -> int | None:
@@ -140,7 +138,6 @@ class EngineProcess:
         )
         self.started_at = time.monotonic()
         self.known_pids = {self._proc.pid}
-        self.identity = identify(self._proc.pid, self.token)
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self._readers = [
             asyncio.create_task(self._read(self._proc.stdout, "stdout")),
@@ -172,11 +169,11 @@ class EngineProcess:
         return code
 
     def members(self) -> set[int]:
-        """Every live process of this engine: its session, plus the descendants that
-        left the session (``setsid``) but carry its token."""
+        """Every live process of this engine: its session, plus what ``also_members``
+        finds (descendants that left the session)."""
         if self._proc is None:
             return set()
-        alive = session_members(self._proc.pid) | token_holders(self.token)
+        alive = session_members(self._proc.pid) | self._also_members()
         self.known_pids |= alive
         return alive
 
@@ -184,7 +181,7 @@ class EngineProcess:
         """Live processes of this engine outside its session (they called ``setsid``)."""
         if self._proc is None:
             return set()
-        return token_holders(self.token) - session_members(self._proc.pid)
+        return self._also_members() - session_members(self._proc.pid)
 
     def survivors(self) -> set[int]:
         """Processes of this engine that are still alive (see :meth:`members`)."""

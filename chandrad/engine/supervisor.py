@@ -32,11 +32,15 @@ from chandrad.engine.learned import learned_key, vllm_version_of
 from chandrad.engine.process import EngineProcess, kill_pids, oom_kill_count, process_name
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
 from chandrad.engine.session import (
+    TOKEN_ENV,
     EngineIdentity,
     boot_id,
+    identify,
     listening_inodes,
+    new_token,
     socket_holders,
     stale_engine_pids,
+    token_holders,
 )
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
 from chandrad.states import ENGINE_TRANSITIONS, EngineState
@@ -385,7 +389,11 @@ class EngineSupervisor:
             return
         command = build_engine_command(self.engine, self.profile, base_env=self.base_env,
                                        python=self.engine.python or None)
-        process = EngineProcess(command.argv, command.env, self._line_sink(gen))
+        # A per-spawn token in the environment marks every process of this engine, even
+        # one that leaves its session (engine/session.py).
+        token = new_token()
+        process = EngineProcess(command.argv, {**command.env, TOKEN_ENV: token},
+                                self._line_sink(gen), also_members=lambda: token_holders(token))
         gen.process = process
         gen.started_at = time.monotonic()
         log.info("engine_command", argv=" ".join(command.argv))
@@ -400,7 +408,8 @@ class EngineSupervisor:
             self._fail(gen.early, exit_code=None)
             return
         log.info("engine_spawned", pid=process.pid)
-        self._record_session(process.identity)
+        if process.pid is not None:
+            self._record_session(identify(process.pid, token))
 
     def _line_sink(self, gen: _Generation) -> Callable[[str, str], None]:
         def sink(stream: str, line: str) -> None:
