@@ -22,7 +22,7 @@ from chandrad.ctl.journal import (
     parse_entries,
     run_logs,
 )
-from chandrad.logs import MESSAGE_IDS, configure_logging, get_logger
+from chandrad.logs import MESSAGE_IDS, Event, configure_logging, get_logger
 
 BASE = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
 BOOT_ID = "0123456789abcdef0123456789abcdef"
@@ -229,7 +229,7 @@ def test_message_ids_are_queryable_in_the_journal(journal_file: Path) -> None:
             str(journal_file),
             "-o",
             "json",
-            f"MESSAGE_ID={MESSAGE_IDS['job_done']}",
+            f"MESSAGE_ID={MESSAGE_IDS[Event.JOB_DONE]}",
         ],
         capture_output=True,
         text=True,

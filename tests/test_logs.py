@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import logging
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from chandrad.errors import ConfigError
-from chandrad.logs import MESSAGE_IDS, configure_logging, get_logger, resolve_format
+from chandrad.logs import MESSAGE_IDS, Event, configure_logging, get_logger, resolve_format
 
 SPEC_EVENTS = {
     "daemon_state",
@@ -83,6 +84,42 @@ def test_message_ids_cover_spec_events_and_are_128_bit() -> None:
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
 
 
+_LOG_METHODS = {"debug", "info", "warning", "error", "critical", "exception", "msg"}
+PACKAGE = Path(__file__).resolve().parents[1] / "chandrad"
+
+
+def _emitted_events() -> set[str]:
+    """The event name of every ``log.<level>(EVENT, …)`` call in chandrad/: a string literal
+    or an ``Event.NAME`` constant (``getattr(log, level)(…)`` included)."""
+    names: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            func = node.func
+            is_log = (isinstance(func, ast.Attribute) and func.attr in _LOG_METHODS) or (
+                isinstance(func, ast.Call) and isinstance(func.func, ast.Name)
+                and func.func.id == "getattr")
+            first = node.args[0]
+            if not is_log:
+                continue
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.add(first.value)
+            elif (isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name)
+                  and first.value.id == "Event"):
+                names.add(Event[first.attr].value)
+    return names
+
+
+def test_every_message_id_event_is_emitted() -> None:
+    """A MESSAGE_ID that no code path logs is a promise to operators that ``journalctl
+    MESSAGE_ID=…`` can never keep (``control_request`` was documented, ``control_command``
+    logged); every event with an id is emitted somewhere in chandrad/."""
+    emitted = _emitted_events()
+    assert {str(e) for e in MESSAGE_IDS} <= emitted, "ids never logged"
+    assert "control_command" not in emitted and "engine_fatal" in emitted
+
+
 def test_journal_entry_fields(journal_sock: socket.socket) -> None:
     """A structlog event becomes MESSAGE/PRIORITY/IDs/CODE_*/CHANDRA_* fields."""
     configure_logging("journal", "info", stream=io.StringIO())
@@ -92,7 +129,7 @@ def test_journal_entry_fields(journal_sock: socket.socket) -> None:
     f = parse_native(journal_sock.recv(65536))
     assert _one(f, "SYSLOG_IDENTIFIER") == "chandrad"
     assert _one(f, "PRIORITY") == "4"
-    assert _one(f, "MESSAGE_ID") == MESSAGE_IDS["job_failed"]
+    assert _one(f, "MESSAGE_ID") == MESSAGE_IDS[Event.JOB_FAILED]
     assert _one(f, "CHANDRA_EVENT") == "job_failed"
     assert _one(f, "CHANDRA_JOB") == "42"
     assert _one(f, "CHANDRA_FILE") == "東京.pdf"

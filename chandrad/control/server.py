@@ -57,6 +57,7 @@ from typing import Literal
 import structlog
 
 from chandrad.errors import ChandradError, ControlError, ExitCode
+from chandrad.logs import Event
 from chandrad.protocol import (
     COMMANDS,
     MAX_LINE_BYTES,
@@ -455,7 +456,7 @@ class ControlServer:
                         else "membership in the control socket's group")
                 raise ProtocolError("forbidden", f"{request.cmd} needs {need} (uid {uid})", rid)
             if tier == "write":
-                log.info("control_command", cmd=request.cmd, args=request.args,
+                log.info(Event.CONTROL_REQUEST, cmd=request.cmd, args=request.args,
                          peer_uid=uid, peer_pid=pid)
             result = await self.handlers.dispatch(request.cmd, request.args)
             return encode_result(rid, result)

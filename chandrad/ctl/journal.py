@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from chandrad.errors import CtlExit
-from chandrad.logs import journal_fields
+from chandrad.logs import Event, journal_fields
 
 #: systemd's "Automatic restarting of a unit has been scheduled" (systemd.catalog).
 SD_MESSAGE_UNIT_RESTART_SCHEDULED = "5eb03494b6584870a536b337290809b3"
@@ -241,12 +241,12 @@ def analyze(entries: list[Entry], unit: str = "chandrad", *, unreadable: int = 0
 
     for e in ours:
         event = e.get("CHANDRA_EVENT")
-        if event == "engine_failure":
+        if event == Event.ENGINE_FAILURE:
             cls = e.get("CHANDRA_CLASS") or "unknown"
             failures[cls] += 1
             failures_by_hour[_hour(e.time)][cls] += 1
             last_evidence[cls] = e.get("CHANDRA_EVIDENCE")
-        elif event == "profile_change":
+        elif event == Event.PROFILE_CHANGE:
             profile_changes.append(
                 {
                     "time": _iso(e.time),
@@ -256,13 +256,13 @@ def analyze(entries: list[Entry], unit: str = "chandrad", *, unreadable: int = 0
                     "new": e.value("CHANDRA_NEW"),
                 }
             )
-        elif event == "engine_restart":
+        elif event == Event.ENGINE_RESTART:
             restarts += 1
-        elif event == "engine_ready":
+        elif event == Event.ENGINE_READY:
             seconds = e.value("CHANDRA_SECONDS")
             if isinstance(seconds, int | float):
                 ready_seconds.append(float(seconds))
-        elif event == "job_failed":
+        elif event == Event.JOB_FAILED:
             failed_files.append(
                 {
                     "time": _iso(e.time),
@@ -272,7 +272,7 @@ def analyze(entries: list[Entry], unit: str = "chandrad", *, unreadable: int = 0
                     "reason": e.get("CHANDRA_REASON"),
                 }
             )
-        elif event == "job_done":
+        elif event == Event.JOB_DONE:
             n = e.value("CHANDRA_PAGES")
             bucket = pages[_hour(e.time)]
             bucket["pages"] += n if isinstance(n, int) else 0

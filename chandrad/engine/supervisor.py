@@ -43,6 +43,7 @@ from chandrad.engine.session import (
     token_holders,
 )
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
+from chandrad.logs import Event
 from chandrad.states import ENGINE_TRANSITIONS, EngineState
 
 log = structlog.get_logger("chandrad.engine")
@@ -650,7 +651,7 @@ class EngineSupervisor:
     def _give_up(self, reason: str) -> None:
         self.fatal_reason = reason
         self._transition(EngineState.FATAL, reason)
-        log.critical("engine_fatal", reason=reason,
+        log.critical(Event.ENGINE_FATAL, reason=reason,
                      hint="fix the cause, then `chandractl engine restart` or `chandractl reload`")
 
     def _enter_backoff(self) -> None:
