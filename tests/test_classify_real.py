@@ -11,6 +11,9 @@ memory failure (that would make the daemon shrink a profile that was never the p
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -212,3 +215,19 @@ def test_engine_death_after_requested_shutdown_is_none() -> None:
     scanner = LineScanner()
     assert all(scanner.feed(line) is None for line in lines)
     assert scanner.finish(0, True).cls is FailureClass.NONE
+
+
+def test_bench_report_piped_into_a_closed_reader_exits_quietly() -> None:
+    """``diagnose_holdout.py | head -1``: the reader has gone before the report is written;
+    the script exits 141 (128 + SIGPIPE) with nothing on stderr, not a BrokenPipeError
+    traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written: EPIPE for certain
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / "diagnose_holdout.py"),
+                               "--split", "all"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120, check=False)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""
+    assert proc.returncode == 128 + signal.SIGPIPE
