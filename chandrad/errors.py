@@ -94,13 +94,6 @@ class StateDirInUse(ChandradError):
     exit_code = ExitCode.CONFIG
 
 
-class EngineGaveUp(ChandradError):
-    """The engine is fatal and the config says the daemon should exit."""
-
-    code = "engine_fatal"
-    exit_code = ExitCode.UNAVAILABLE
-
-
 class EngineUnavailable(ChandradError):
     """The engine could not be reached or did not answer usefully (transport level)."""
 

@@ -8,7 +8,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -309,7 +308,7 @@ def test_validate_in_child_runs_real_vllm_parser_in_engine_interpreter() -> None
     assert any("--preemption-mode" in p.message for p in problems)
 
 
-def test_validate_in_child_without_vllm_is_one_clear_problem(tmp_path: Path) -> None:
+def test_validate_in_child_without_vllm_is_one_clear_problem() -> None:
     """An interpreter without vLLM yields exactly one problem saying so."""
     system_python = shutil.which("python3", path="/usr/bin")
     if system_python is None:

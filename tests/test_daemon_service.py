@@ -310,7 +310,7 @@ def wait_answering(sock: Path, proc: subprocess.Popen[bytes], log: Path,
 
 
 def test_second_uid_is_forbidden_and_stale_socket_is_replaced(
-    tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]
+    free_port: Callable[[], int]
 ) -> None:
     """A user outside the socket's group gets 'forbidden' (exit 4); a stale socket file
     left by a crashed daemon is replaced at the next start."""
