@@ -168,7 +168,12 @@ def _open_pdf(path: Path) -> pymupdf.Document:
             f"{path.name}: PDF is encrypted with a user (open) password; "
             "remove the password and drop the file again"
         )
-    if doc.page_count == 0:
+    try:
+        pages = doc.page_count
+    except Exception as exc:  # a page tree whose /Count lies: "Invalid number of pages"
+        doc.close()
+        raise InputError(f"{path.name}: PDF page tree is invalid: {exc}") from exc
+    if pages == 0:
         repaired = doc.is_repaired
         doc.close()
         if repaired:
