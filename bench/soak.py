@@ -32,9 +32,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "faults"), str(REPO / "tests")]
+sys.path.insert(0, str(REPO / "tests"))
 
-from faultkit import Daemon, audit, free_port, real_engine, record, standin_engine  # noqa: E402
+from faults.faultkit import (  # noqa: E402
+    Daemon,
+    audit,
+    free_port,
+    real_engine,
+    record,
+    standin_engine,
+)
 
 CORPUS = REPO / "tests" / "corpus"
 
@@ -73,7 +80,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     port = free_port()
     if args.engine == "real":
-        sys.path.insert(0, str(REPO / "tests"))
         from tiny_model import build_tiny_model
 
         cache = Path(os.environ.get("CHANDRAD_TEST_CACHE", REPO / ".tiny-model"))

@@ -19,7 +19,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -306,7 +306,7 @@ class Audit:
         assert not self.bad_outputs, f"outputs with the wrong pages: {self.bad_outputs}"
 
 
-def audit(d: Daemon, dropped: dict[str, int | None],
+def audit(d: Daemon, dropped: Mapping[str, int | None],
           committed_before: dict[tuple[int, int], float] | None = None) -> Audit:
     """Check every dropped input against the store, the folders and its outputs.
 
@@ -362,7 +362,8 @@ def record(fault: str, did: str, *, lost: int | str, twice: int | str,
     path = os.environ.get("CHANDRAD_FAULTS_RESULTS")
     row = {"fault": fault, "did": did, "lost": lost, "twice": twice,
            "serving_s": round(serving_s, 1) if isinstance(serving_s, float) else serving_s,
-           "test": test or os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+           "test": test or os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+           .removeprefix("tests/faults/"),
            "engine": engine, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"\nRESULT {json.dumps(row)}")
     if path:

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultkit import Daemon, RemoteEngine, audit, drop, record
+
+from faults.faultkit import Daemon, RemoteEngine, audit, drop, record
 
 FILES = [  # (corpus file, pages)
     ("good/digital_federal-register_15p.pdf", 15),
@@ -53,6 +54,7 @@ def test_daemon_sigkill_at_random_points(tmp_path: Path, corpus_dir: Path,
     committed: dict[tuple[int, int], float] = {}
     answering: list[float] = []
     kill_at: list[float] = []
+    phase = ""
     try:
         for n in range(kills):
             # Each round brings one more file, dropped just before or after the start.
@@ -65,13 +67,37 @@ def test_daemon_sigkill_at_random_points(tmp_path: Path, corpus_dir: Path,
                 d.start()
                 drop(corpus_dir / src, d.inbox, name)
             dropped[name] = pages
-            delay = rng.uniform(0.2, 8.0)
-            kill_at.append(delay)
+            # A quarter of the kills land during start-up, a quarter at a random time once
+            # it serves, half just after the k-th newly committed page (mid-batch, often
+            # mid-output or mid-move when k reaches a file's last page).
             t0 = time.monotonic()
+            dice = rng.random()
+            if dice < 0.25:
+                delay = rng.uniform(0.1, 2.0)
+                phase = "start-up"
+            else:
+                d.wait_for("status answers", lambda: d.status() is not None, 60, every=0.1)
+                answering.append(time.monotonic() - t0)
+                delay = rng.uniform(0.1, 4.0) if dice < 0.5 else rng.uniform(0.0, 0.5)
+                phase = "serving"
+                remaining = sum(p or 0 for p in dropped.values()) - len(d.done_pages())
+                if dice >= 0.5 and remaining > 0:
+                    k = min(rng.randint(1, 6), remaining)
+                    target = len(d.done_pages()) + k
+                    phase = f"serving, {k} pages after restart"
+                    try:
+                        d.wait_for("pages committed", lambda t=target: len(d.done_pages())  # type: ignore[misc]
+                                   >= t, 30, every=0.05)
+                    except AssertionError:
+                        phase += " (not reached in 30 s)"
+                t0 = time.monotonic()
+            kill_at.append(delay)
             while time.monotonic() - t0 < delay:
-                time.sleep(0.05)
+                time.sleep(0.02)
             before = d.done_pages()
             d.kill9()
+            print(f"round {n}: kill -9 {delay:.2f}s into {phase}, {len(before)} pages "
+                  "committed", flush=True)
             for key, at in before.items():
                 committed.setdefault(key, at)
             with sqlite3.connect(f"file:{d.db_path}?mode=ro", uri=True) as conn:

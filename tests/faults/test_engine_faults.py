@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultkit import Daemon, audit, drop, free_port, record, standin_engine
+
+from faults.faultkit import Daemon, audit, drop, free_port, record, standin_engine
 
 DOC = "digital_federal-register_15p.pdf"  # 15 pages
 DOC_PAGES = 15

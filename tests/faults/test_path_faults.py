@@ -2,7 +2,7 @@
 
 Read-only ``done/`` (a read-only bind mount: root ignores file modes), the output folder
 deleted mid-job, the input deleted, truncated or replaced while its pages are in flight,
-255-byte names, newlines in names, symlink and hardlink tricks out of the watched root, a
+awkward names, symlink and hardlink tricks out of the watched root, a
 PDF whose page tree claims 100,000 pages, nested decompression bombs, a file that keeps
 growing. One daemon serves the module; the engine is the stand-in engine process reached
 through ``engine.url`` (the engine is not the point here). Each test appends its row to
@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultkit import Daemon, RemoteEngine, audit, drop, record
+
+from faults.faultkit import Daemon, RemoteEngine, audit, drop, record
 
 DOC = "digital_federal-register_15p.pdf"
 DOC_PAGES = 15
@@ -64,27 +65,30 @@ def _error(d: Daemon, name: str) -> dict[str, object]:
 
 
 def test_read_only_done(daemon: Daemon, corpus_dir: Path) -> None:
+    """done/ read-only when a job finishes → the job is held (outputs written, input kept
+    in the inbox) and moved to done/ once done/ is writable again; never failed/."""
     d = daemon
     if subprocess.run(["mount", "--bind", str(d.done), str(d.done)],
                       capture_output=True).returncode != 0:
         pytest.skip("needs mount --bind (root with CAP_SYS_ADMIN) for a read-only done/")
+    name = "ro-done.pdf"
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(d.done)], check=True)
-        name = "ro-done.pdf"
         drop(corpus_dir / "good" / "scan_four-orientations_cardinal.pdf", d.inbox, name)
-        d.wait_for("job final or held", lambda: (_job(d, name) or {}).get("state") in
-                   ("done", "partial", "failed") or (d.failed / name).exists(), 60)
+        d.wait_for("job no longer pending or running", lambda: (_job(d, name) or {}).get(
+            "state") not in (None, "pending", "running"), 60)
         job = _job(d, name)
-        state_ro = job and job["state"]
+        state_ro = f"{job['state']} ({job['error_code']})" if job else "missing"
     finally:
         subprocess.run(["umount", str(d.done)], check=True)
     t0 = time.monotonic()
-    jobs = d.wait_all_final([name], 60)
+    jobs = d.wait_all_final([name], 120)
     a = audit(d, {name: 4})
-    record("read-only done/", f"job {state_ro} while done/ was read-only "
-           f"({jobs[name]['error_code']}); input kept", lost=len(a.lost),
+    record("read-only done/", f"job {state_ro} while done/ was read-only, then "
+           f"{jobs[name]['state']}; input in {_final_place(d, name)}", lost=len(a.lost),
            twice=len(a.done_twice), serving_s=time.monotonic() - t0)
     a.assert_clean()
+    assert (d.done / name).exists(), f"input went to failed/: {jobs[name]}"
 
 
 def test_output_dir_deleted_while_running(daemon: Daemon, corpus_dir: Path) -> None:
@@ -105,46 +109,81 @@ def test_output_dir_deleted_while_running(daemon: Daemon, corpus_dir: Path) -> N
 # ------------------------------------------------------------------ the input in flight
 
 
-@pytest.mark.parametrize("change", ["deleted", "truncated", "replaced"])
-def test_input_changed_while_pages_in_flight(daemon: Daemon, corpus_dir: Path,
-                                             change: str) -> None:
+def _sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_input_truncated_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) -> None:
+    """Truncated mid-job: the job ends (done from what was read, or failed with a reason),
+    the file is not lost, no page is done twice."""
     d = daemon
-    name = f"in-flight-{change}.pdf"
+    name = "in-flight-truncated.pdf"
     path = drop(corpus_dir / "good" / DOC, d.inbox, name)
     d.wait_for("2 pages done", lambda: _pages_done(d, name) >= 2, 60)
     before = d.done_pages()
-    if change == "deleted":
-        path.unlink()
-    elif change == "truncated":
-        with path.open("r+b") as fh:
-            fh.truncate(path.stat().st_size // 3)
-    else:
-        drop(corpus_dir / "good" / "scan_four-orientations_cardinal.pdf", d.inbox, name)
-    d.wait_all_final([name], 120)
-    job = _job(d, name)
-    assert job is not None
-    doc_pages: int | None = None
-    if job["state"] in ("done", "partial"):
-        out = Path(str(job["output_dir"]))
-        doc = json.loads((out / f"{Path(name).stem}.json").read_text())
-        doc_pages = len(doc["pages"])
-        texts = {p.get("markdown", "") for p in doc["pages"]}
-        # Never a document made of two files' pages.
-        assert doc_pages in (DOC_PAGES, 4), doc_pages
-        assert len(texts) >= 1
-    if change == "deleted":
-        # The operator took it away: there is nothing left to lose, but the job must end
-        # with a reason, not hang or pretend success.
-        assert job["state"] == "failed" or doc_pages == DOC_PAGES, job
-        lost = 0
-    else:
-        a = audit(d, {name: None}, before)
-        lost = len(a.lost)
-        a.assert_clean()
-    record(f"input {change} while its pages are in flight",
-           f"job {job['state']} ({job['error_code'] or 'no error'}); "
-           f"{doc_pages if doc_pages is not None else 'no'} pages written",
-           lost=lost, twice=0, serving_s="0 (never stopped)")
+    with path.open("r+b") as fh:
+        fh.truncate(path.stat().st_size // 3)
+    jobs = d.wait_all_final([name], 120)
+    a = audit(d, {name: None}, before)
+    job = jobs[name]
+    record("input truncated to 1/3 while its pages are in flight",
+           f"job {job['state']} ({job['error_code'] or 'no error'}), pages "
+           f"{job['pages_total']}: the open document already held what was accepted",
+           lost=len(a.lost), twice=len(a.done_twice), serving_s="0 (never stopped)")
+    a.assert_clean()
+
+
+@pytest.mark.xfail(strict=True, reason="an input deleted before its job finishes ends as "
+                   "internal_error with a job_crashed traceback (outputs.move_to: "
+                   "FileNotFoundError → OutputError); expected a clear code such as "
+                   "input_vanished and one warning line")
+def test_input_deleted_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) -> None:
+    d = daemon
+    name = "in-flight-deleted.pdf"
+    path = drop(corpus_dir / "good" / DOC, d.inbox, name)
+    d.wait_for("2 pages done", lambda: _pages_done(d, name) >= 2, 60)
+    path.unlink()
+    jobs = d.wait_all_final([name], 120)
+    job = jobs[name]
+    record("input deleted while its pages are in flight",
+           f"KNOWN DEFECT (xfail): job {job['state']} ({job['error_code']}): "
+           f"{job['error_message']}",
+           lost=0, twice=0, serving_s="0 (never stopped)")
+    assert job["error_code"] != "internal_error", job
+
+
+@pytest.mark.xfail(strict=True, reason="a file replaced under the same name while its job "
+                   "runs: the job finishes with the old content's pages, then moves the NEW "
+                   "file to done/ as if processed; the replacement is never OCRed (the "
+                   "sha256 in the store is not the file in done/)")
+def test_input_replaced_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) -> None:
+    d = daemon
+    name = "in-flight-replaced.pdf"
+    drop(corpus_dir / "good" / DOC, d.inbox, name)
+    d.wait_for("2 pages done", lambda: _pages_done(d, name) >= 2, 60)
+    replacement = corpus_dir / "good" / "scan_four-orientations_cardinal.pdf"
+    drop(replacement, d.inbox, name)
+    new_sha = _sha(replacement)
+    try:
+        d.wait_for("the replacement processed", lambda: any(
+            j["sha256"] == new_sha and j["state"] in ("done", "partial", "failed")
+            and Path(j["path"]).name == name for j in d.jobs()), 60)
+        ok = True
+    except AssertionError:
+        ok = False
+    jobs = [j for j in d.jobs() if Path(j["path"]).name == name]
+    in_done = [p for p in d.done.iterdir() if p.name.startswith("in-flight-replaced")]
+    record("input replaced while its pages are in flight",
+           f"KNOWN DEFECT (xfail): jobs {[(j['state'], j['pages_total']) for j in jobs]}; "
+           f"replacement OCRed: {ok}; "
+           f"done/ holds {[p.name for p in in_done]}",
+           lost=0 if ok else "1 (the replacement)", twice=0, serving_s="0 (never stopped)")
+    assert ok
+    for j in jobs:
+        if j["final_path"] and Path(j["final_path"]).exists():
+            assert _sha(Path(j["final_path"])) == j["sha256"], j
 
 
 # ------------------------------------------------------------------ hostile names and files
@@ -159,18 +198,19 @@ def _final_place(d: Daemon, name: str) -> str:
 
 
 def test_hostile_names(daemon: Daemon, corpus_dir: Path) -> None:
-    """255-byte names and newlines in names: processed, outputs written, nothing lost."""
+    """Tabs, spaces, a leading dash, printf and shell metacharacters: processed, outputs
+    written, nothing lost. (Non-UTF-8, newline and 255-byte names are
+    ``tests/test_hostile_names.py``'s, end to end.)"""
     d = daemon
     src = corpus_dir / "good" / "image_hi-devanagari.png"
-    long_name = "L" * (255 - len(".png")) + ".png"
-    names = [long_name, "new\nline.png", "ta\tb and space.png", "-dash.png"]
+    names = ["ta\tb and  space.png", "-dash.png", "%s%n$(id)`x`;*.png", "\u202eevil.gnp.png"]
     for name in names:
         drop(src, d.inbox, name)
     jobs = d.wait_all_final(names, 120)
     a = audit(d, {n: 1 for n in names})
-    record("hostile names: 255-byte name, newline, tab, leading dash",
-           "; ".join(f"{n[:12]!r}…: {jobs[n]['state']} → {_final_place(d, n)}"
-                     for n in names), lost=len(a.lost) + len(a.bad_outputs),
+    record("hostile names: tab, double space, leading dash, printf/shell metacharacters, "
+           "RTL override", "; ".join(f"{n!r}: {jobs[n]['state']} → {_final_place(d, n)}"
+                                     for n in names), lost=len(a.lost) + len(a.bad_outputs),
            twice=len(a.done_twice), serving_s="0 (never stopped)")
     a.assert_clean()
 
@@ -323,3 +363,18 @@ def test_file_that_keeps_growing(daemon: Daemon, corpus_dir: Path) -> None:
            "not taken while growing; taken once quiet, processed whole, once",
            lost=len(a.lost), twice=len(a.done_twice), serving_s="0 (never stopped)")
     a.assert_clean()
+
+
+def test_pdf_page_tree_lying_about_its_count_is_corrupt_input(tmp_path: Path) -> None:
+    """MuPDF raises a plain RuntimeError ("Invalid number of pages") from ``page_count``
+    when /Count does not match the page tree; that is bad input (corrupt_input in failed/),
+    not an internal error with a traceback."""
+    from chandrad.errors import InputError
+    from chandrad.render import probe
+
+    path = tmp_path / "claims-100k-pages.pdf"
+    path.write_bytes(_claims_100k_pages())
+    with pytest.raises(InputError) as info:
+        probe(path, max_pages=5000)
+    assert info.value.code == "corrupt_input"
+    assert "page" in str(info.value)
