@@ -424,10 +424,13 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
-def _worker_init() -> None:
-    import pymupdf
-
+def _worker_init(parent: int) -> None:
     _die_with_parent()
+    if os.getppid() != parent:
+        # The daemon died before the signal was armed (the spawn bootstrap can take
+        # seconds): nothing will ever be asked of this worker, so leave now.
+        os._exit(0)
+    import pymupdf
 
     # Quiet MuPDF's stderr chatter about repaired xrefs; errors still raise.
     pymupdf.TOOLS.mupdf_display_errors(False)
@@ -460,7 +463,8 @@ class RenderPool:
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
             self._executor = ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=self._context, initializer=_worker_init
+                max_workers=self.workers, mp_context=self._context, initializer=_worker_init,
+                initargs=(os.getpid(),),
             )
         return self._executor
 
