@@ -31,6 +31,7 @@ import pytest
 from chandrad.control.server import LISTEN_BACKLOG
 from chandrad.ctl.client import call
 from chandrad.protocol import encode_request
+from faults.faultkit import record
 
 TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
@@ -210,6 +211,10 @@ def test_thousand_silent_connections_do_not_starve_status(server: Server) -> Non
     after = status_p99(server.path, 50)
     print(f"baseline {baseline}, during 1000-connection flood {during}, after {after}; "
           f"server fds idle {idle_fds}, during {held_fds}; flooder {result}")
+    record("control socket: 1,000 concurrent silent connections", f"per-process cap 16, "
+           f"the rest refused busy; status p99 {during['p99_ms']:.0f} ms during (budget "
+           f"{P99_BUDGET_S * 1000:.0f} ms); server fds {idle_fds} → {held_fds}",
+           lost="-", twice="-", serving_s="0 (never stopped)", engine="-")
     assert during["p99_ms"] < P99_BUDGET_S * 1000, during
     # Bounded by the limits (16 places for the one flooding process, plus at most one
     # accept batch being answered busy), not by the flood's 1,000 connections.
@@ -260,6 +265,9 @@ def test_silent_client_is_closed_after_the_read_timeout(server: Server) -> None:
         waited = time.monotonic() - started
         assert json.loads(data)["error"]["code"] == "timeout"
         assert silent.recv(1) == b""
+    record("control socket: a client that connects and never sends", f"closed with "
+           f"'timeout' after {waited:.1f} s; status p99 {during['p99_ms']:.0f} ms meanwhile",
+           lost="-", twice="-", serving_s="0 (never stopped)", engine="-")
     assert READ_TIMEOUT_S - 0.5 <= waited < READ_TIMEOUT_S + 3, waited
     assert during["p99_ms"] < P99_BUDGET_S * 1000, during
 
@@ -301,6 +309,10 @@ def test_200_mb_line_is_refused_and_memory_stays_bounded(server: Server) -> None
     stats = server.stop()
     print(f"200 MB line: sent {sent[0] / 1e6:.0f} MB before the close; status during "
           f"{during}, after {after}; server peak RSS {stats['rss_peak_kb'] / 1024:.0f} MiB")
+    record("control socket: a 200 MB request line", f"too_large after 1 MiB, connection "
+           f"closed; status p99 {during['p99_ms']:.0f} ms during; server peak RSS "
+           f"{stats['rss_peak_kb'] / 1024:.0f} MiB", lost="-", twice="-",
+           serving_s="0 (never stopped)", engine="-")
     assert during["p99_ms"] < P99_BUDGET_S * 1000, during
     assert stats["rss_peak_kb"] < 160 * 1024, stats
 
