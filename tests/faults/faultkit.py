@@ -375,9 +375,9 @@ class RemoteEngine:
     """A stand-in engine process the test runs itself, reached through ``engine.url``:
     no flag check, no supervision, and it outlives any daemon kill."""
 
-    def __init__(self, root: Path, delay_s: float = 0.2) -> None:
+    def __init__(self, root: Path, delay_s: float = 0.2, port: int | None = None) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = port or free_port()
         self.requests = root / "requests.log"
         (root / "standin.json").write_text(json.dumps({"delay_s": delay_s}))
         env = dict(os.environ, STANDIN_CONTROL=str(root / "standin.json"),
