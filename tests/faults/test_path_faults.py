@@ -27,7 +27,7 @@ from faults.faultkit import Daemon, RemoteEngine, audit, drop, record
 DOC = "digital_federal-register_15p.pdf"
 DOC_PAGES = 15
 #: How long the growing-file test keeps writing (the issue's "minutes", bounded for CI).
-GROW_SECONDS = float(os.environ.get("CHANDRAD_FAULTS_GROW_SECONDS", "20"))
+GROW_SECONDS = float(os.environ.get("CHANDRAD_FAULTS_GROW_SECONDS", "10"))
 
 
 @pytest.fixture(scope="module")
