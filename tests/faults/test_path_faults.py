@@ -136,15 +136,11 @@ def test_input_truncated_while_pages_in_flight(daemon: Daemon, corpus_dir: Path)
     job = jobs[name]
     record("input truncated to 1/3 while its pages are in flight",
            f"job {job['state']} ({job['error_code'] or 'no error'}), pages "
-           f"{job['pages_total']}: the open document already held what was accepted",
+           f"{job['pages_total']}",
            lost=len(a.lost), twice=len(a.done_twice), serving_s="0 (never stopped)")
     a.assert_clean()
 
 
-@pytest.mark.xfail(strict=True, reason="an input deleted before its job finishes ends as "
-                   "internal_error with a job_crashed traceback (outputs.move_to: "
-                   "FileNotFoundError → OutputError); expected a clear code such as "
-                   "input_vanished and one warning line")
 def test_input_deleted_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) -> None:
     d = daemon
     name = "in-flight-deleted.pdf"
@@ -154,16 +150,12 @@ def test_input_deleted_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) -
     jobs = d.wait_all_final([name], 120)
     job = jobs[name]
     record("input deleted while its pages are in flight",
-           f"KNOWN DEFECT (xfail): job {job['state']} ({job['error_code']}): "
+           f"job {job['state']} ({job['error_code']}): "
            f"{job['error_message']}",
            lost=0, twice=0, serving_s="0 (never stopped)")
     assert job["error_code"] != "internal_error", job
 
 
-@pytest.mark.xfail(strict=True, reason="a file replaced under the same name while its job "
-                   "runs: the job finishes with the old content's pages, then moves the NEW "
-                   "file to done/ as if processed; the replacement is never OCRed (the "
-                   "sha256 in the store is not the file in done/)")
 def test_input_replaced_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) -> None:
     d = daemon
     name = "in-flight-replaced.pdf"
@@ -182,7 +174,7 @@ def test_input_replaced_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) 
     jobs = [j for j in d.jobs() if Path(j["path"]).name == name]
     in_done = [p for p in d.done.iterdir() if p.name.startswith("in-flight-replaced")]
     record("input replaced while its pages are in flight",
-           f"KNOWN DEFECT (xfail): jobs {[(j['state'], j['pages_total']) for j in jobs]}; "
+           f"jobs {[(j['state'], j['pages_total']) for j in jobs]}; "
            f"replacement OCRed: {ok}; "
            f"done/ holds {[p.name for p in in_done]}",
            lost=0 if ok else "1 (the replacement)", twice=0, serving_s="0 (never stopped)")
