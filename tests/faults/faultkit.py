@@ -190,9 +190,10 @@ socket = "{self.socket}"
             self.proc.wait()
         session = self.root / "state" / "engine.session"
         if session.exists():
-            from chandrad.engine.process import session_members
+            from chandrad.engine.session import EngineIdentity, stale_engine_pids
 
-            for pid in session_members(int(session.read_text())):
+            identity = EngineIdentity.from_json(session.read_text())
+            for pid in stale_engine_pids(identity) if identity else set():
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
