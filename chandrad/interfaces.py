@@ -41,6 +41,11 @@ class EngineHandle(Protocol):
         """The output token budget in force (the profile may have lowered it)."""
         ...
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The served model's context length as the engine reports it (``None``: unknown)."""
+        ...
+
     def snapshot(self) -> dict[str, Any]:
         """The engine part of ``status`` (state, pid, profile, last failure)."""
         ...

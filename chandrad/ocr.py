@@ -100,7 +100,7 @@ def build_chat_request(
     *,
     model: str,
     prompt_type: str,
-    max_output_tokens: int,
+    max_output_tokens: int | None,
     temperature: float,
     top_p: float,
     fitted: bool = False,
@@ -110,7 +110,8 @@ def build_chat_request(
     One user message, image first (PNG data URL) then the prompt, no system prompt.
     Pages from :mod:`chandrad.render` already have the size ``scale_to_fit`` wants
     (``fitted=True``) and are sent byte for byte; any other PNG is resized by Chandra's
-    rule first.
+    rule first. ``max_output_tokens=None`` leaves ``max_tokens`` out: the engine then
+    allows exactly what its context leaves after the prompt (see :func:`request_max_tokens`).
     """
     try:
         prompt = PROMPT_MAPPING[prompt_type]
@@ -119,7 +120,7 @@ def build_chat_request(
         raise InputError(f"unknown prompt type {prompt_type!r} (known: {known})") from None
     _png_size(page_png)
     image_b64 = base64.b64encode(page_png if fitted else _as_sent(page_png)).decode("ascii")
-    return {
+    body: dict[str, Any] = {
         "model": model,
         "messages": [
             {
@@ -133,10 +134,34 @@ def build_chat_request(
                 ],
             }
         ],
-        "max_tokens": max_output_tokens,
         "temperature": temperature,
         "top_p": top_p,
     }
+    if max_output_tokens is not None:
+        body["max_tokens"] = max_output_tokens
+    return body
+
+
+def request_max_tokens(budget: int, max_model_len: int | None, prompt_tokens: int) -> int | None:
+    """``max_tokens`` for one page: the output budget where it surely fits, else ``None``.
+
+    vLLM before 0.18-ish answers 400 when ``max_tokens`` exceeds what ``max_model_len``
+    leaves after the prompt (MinerU#4868). ``prompt_tokens`` is an upper estimate; when
+    ``budget`` might not fit after it, ``max_tokens`` is left out and the engine allows
+    exactly ``max_model_len`` minus the real prompt, so no page is rejected for it. An
+    unknown ``max_model_len`` (an engine that does not report it) keeps the budget.
+    """
+    if max_model_len is None or prompt_tokens + budget <= max_model_len:
+        return budget
+    return None
+
+
+def error_retry_delay(attempt: int) -> float:
+    """Seconds to wait before retrying after a request error: Chandra's ``2 * (retries + 1)``.
+
+    ``attempt`` is the number of attempts made so far (1 after the first).
+    """
+    return 2.0 * max(attempt, 1)
 
 
 def sampling_for_attempt(attempt: int) -> tuple[float, float]:
@@ -152,18 +177,17 @@ def sampling_for_attempt(attempt: int) -> tuple[float, float]:
 
 
 def retry_reason(text: str, finish_reason: str | None) -> str | None:
-    """Why this answer should be retried: ``"repetition"``, ``"length"``, or None.
+    """Why this answer should be retried: ``"repetition"`` or None.
 
-    Repetition uses Chandra's test (``_should_retry``): the tail repeats, or it does
-    once the last 50 characters are cut off. ``finish_reason == "length"`` (the answer
-    hit ``max_tokens``) is chandrad's addition; Chandra does not check it.
+    Chandra's test (``_should_retry``): the tail repeats, or it does once the last 50
+    characters are cut off. ``finish_reason == "length"`` is NOT a reason, as in
+    Chandra: the cut-off text is kept and the page is marked truncated.
     """
+    del finish_reason  # kept in the signature: the caller passes what the engine said
     from chandra.model.util import detect_repeat_token
 
     if detect_repeat_token(text) or (len(text) > 50 and detect_repeat_token(text, cut_from_end=50)):
         return "repetition"
-    if finish_reason == "length":
-        return "length"
     return None
 
 

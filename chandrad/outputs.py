@@ -51,6 +51,8 @@ class PageOutput:
     html: str = ""
     blocks: list[dict[str, Any]] = field(default_factory=list)
     images: dict[str, bytes] = field(default_factory=dict)
+    #: The answer hit ``max_tokens`` (finish_reason "length"): the text is kept, cut off.
+    truncated: bool = False
 
 
 def fsync_dir(directory: Path) -> None:
@@ -141,7 +143,8 @@ def _choose_dir(out_dir: Path, metadata: dict[str, Any]) -> tuple[Path, dict[str
 def _document_json(source: str, pages: list[PageOutput]) -> dict[str, Any]:
     entries = []
     for p in pages:
-        entry: dict[str, Any] = {"page": p.page, "status": p.status, "attempts": p.attempts}
+        entry: dict[str, Any] = {"page": p.page, "status": p.status, "attempts": p.attempts,
+                                 "truncated": p.truncated}
         if p.error:
             entry["error"] = p.error
         entry.update(width=p.width, height=p.height, blocks=p.blocks)
@@ -210,12 +213,14 @@ def write_document(
         "num_pages": len(pages),
         "pages_ok": sum(p.status == "ok" for p in pages),
         "pages_failed": sum(p.status != "ok" for p in pages),
+        "pages_truncated": sum(p.truncated for p in pages),
         "total_images": len(images),
         "pages": [
             {
                 "page": p.page,
                 "status": p.status,
                 "attempts": p.attempts,
+                "truncated": p.truncated,
                 "width": p.width,
                 "height": p.height,
                 "num_blocks": len(p.blocks),

@@ -39,6 +39,7 @@ import structlog
 
 from chandrad import ocr, outputs
 from chandrad.config import Config, WatchConfig
+from chandrad.engine.profile import estimate_prompt_tokens
 from chandrad.errors import (
     ChandradError,
     EngineUnavailable,
@@ -486,21 +487,36 @@ class Pipeline:
 
     async def _infer(self, job: Job, index: int, png: bytes, width: int,
                      height: int) -> _PageOutcome:
-        """Chandra's retry loop for one page; returns once the page is done or failed."""
+        """Chandra's retry loop for one page; returns once the page is done or failed.
+
+        As ``chandra.model.vllm.generate_vllm``: retried (up to ``ocr.retries`` times,
+        with Chandra's temperature schedule) only on a detected repetition loop or a
+        request error, the latter after Chandra's ``2 * (retries + 1)`` s pause. An
+        answer cut by ``length`` is kept and marked truncated. Every answered request is
+        one attempt; a request the engine failed under (it left ``ready``) is given back
+        uncharged, and so is one that only needs ``max_tokens`` refitted.
+        """
         cfg = self.config.ocr
         attempt = 0
         last_error = ""
+        prompt_estimate = estimate_prompt_tokens(width, height)
+        refit: tuple[int | None] | None = None  # max_tokens from the engine's own count
         while attempt <= cfg.retries:
             await self.dispatching.wait()
             await self.engine.wait_ready()
             temperature, top_p = ocr.sampling_for_attempt(attempt)
+            max_tokens: int | None = ocr.request_max_tokens(
+                self.engine.max_output_tokens, self.engine.max_model_len, prompt_estimate)
+            if refit is not None:
+                max_tokens = refit[0]
             body = ocr.build_chat_request(
                 png, model=self.engine.served_model_name, prompt_type=cfg.prompt_type,
-                max_output_tokens=self.engine.max_output_tokens, temperature=temperature,
-                top_p=top_p, fitted=True)
+                max_output_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                fitted=True)
             await self._inflight.acquire()
             self.store.claim_page(job.id, index)
             t0 = time.monotonic()
+            reply: dict[str, Any] | None = None
             try:
                 reply = await self.engine.chat(body, timeout=cfg.request_timeout)
             except EngineUnavailable as exc:
@@ -519,29 +535,52 @@ class Pipeline:
                 await asyncio.sleep(0.5)
                 continue
             except ValueError as exc:
-                return _PageOutcome(False, f"engine rejected the page: {exc}")
+                overflow, prompt = ocr.context_overflow(str(exc))
+                if overflow and refit is None:
+                    # vLLM <= 0.17: max_tokens did not fit after the real prompt. Ask again
+                    # (uncharged) with exactly what is left, or let the engine decide.
+                    limit = self.engine.max_model_len
+                    refit = (min(self.engine.max_output_tokens, limit - prompt)
+                             if prompt is not None and limit and limit > prompt else None,)
+                    self.store.release_page(job.id, index)
+                    log.info("page_max_tokens_refit", job=job.id, page=index + 1,
+                             prompt_tokens=prompt, max_tokens=refit[0])
+                    continue
+                last_error = f"engine rejected the page: {exc}"
             finally:
                 await self._inflight.release()
-            text, finish = _reply_text(reply)
-            try:
-                outcome: ocr.PageResult | str = await self.render.postprocess(
-                    text, finish, png, include_images=cfg.include_images,
-                    include_headers_footers=cfg.include_headers_footers)
-            except (RenderCrashed, RenderTimeout) as exc:
-                outcome = f"post-processing failed: {exc.message}"
             attempt += 1
-            if isinstance(outcome, ocr.PageResult):
-                result = outcome
-                self.store.finish_page(
-                    job.id, index, width=width, height=height,
-                    seconds=time.monotonic() - t0,
-                    result={"markdown": result.markdown, "html": result.html,
-                            "blocks": result.blocks, "images": _encode_images(result.images),
-                            "attempts": attempt})
-                return _PageOutcome(True)
-            last_error = f"{outcome} after {attempt} attempt(s)"
+            if reply is not None:
+                text, finish = _reply_text(reply)
+                try:
+                    outcome: ocr.PageResult | str = await self.render.postprocess(
+                        text, finish, png, include_images=cfg.include_images,
+                        include_headers_footers=cfg.include_headers_footers)
+                except (RenderCrashed, RenderTimeout) as exc:
+                    outcome = f"post-processing failed: {exc.message}"
+                if isinstance(outcome, ocr.PageResult):
+                    truncated = finish == "length"
+                    charged = self.store.page(job.id, index)
+                    attempts = charged.attempts if charged is not None else attempt
+                    self.store.finish_page(
+                        job.id, index, width=width, height=height,
+                        seconds=time.monotonic() - t0,
+                        result={"markdown": outcome.markdown, "html": outcome.html,
+                                "blocks": outcome.blocks,
+                                "images": _encode_images(outcome.images),
+                                "attempts": attempts, "truncated": truncated})
+                    if truncated:
+                        log.warning("page_truncated", job=job.id, page=index + 1,
+                                    attempts=attempts, max_tokens=max_tokens,
+                                    max_model_len=self.engine.max_model_len)
+                    return _PageOutcome(True)
+                last_error = f"{outcome} after {attempt} attempt(s)"
             if attempt <= cfg.retries:
                 self.store.release_page(job.id, index, charge=True)
+                log.info("page_retry", job=job.id, page=index + 1, attempt=attempt,
+                         reason=last_error)
+                if reply is None:
+                    await asyncio.sleep(ocr.error_retry_delay(attempt))
         return _PageOutcome(False, f"retries exhausted: {last_error}")
 
     async def _finish(self, job: Job, watch: WatchConfig, started: float,
@@ -557,6 +596,7 @@ class Pipeline:
         pages = self.store.pages(job.id)
         page_outputs = [_page_output(p) for p in pages]
         failed = sum(1 for p in pages if p.state is PageState.FAILED)
+        truncated = sum(1 for p in page_outputs if p.truncated)
         out_dir = outputs.output_dir_for(watch.output, job.input_root, job.abs_path)
         stem = job.abs_path.stem
         metadata = {
@@ -577,7 +617,8 @@ class Pipeline:
         state = JobState.PARTIAL if failed else JobState.DONE
         self.store.set_job_state(job.id, state, output_dir=out_dir, final_path=final)
         log.info("job_done", job=job.id, file=str(job.path), pages=len(pages),
-                 pages_failed=failed, seconds=metadata["seconds"], state=state.value,
+                 pages_failed=failed, pages_truncated=truncated, seconds=metadata["seconds"],
+                 state=state.value,
                  output=str(out_dir))
 
     def _move_input(self, job: Job, folder: Path, error_code: str | None = None,
@@ -635,6 +676,7 @@ def _page_output(page: Any) -> outputs.PageOutput:
         page=page.index + 1,
         status="ok" if page.state is PageState.DONE else "failed",
         attempts=int(result.get("attempts", page.attempts)),
+        truncated=bool(result.get("truncated", False)),
         error=page.error,
         width=page.width or 0,
         height=page.height or 0,

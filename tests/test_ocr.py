@@ -195,13 +195,15 @@ def test_prompt_comes_from_chandra_and_unknown_type_is_refused(page_png: bytes) 
 
 
 def test_retry_reason() -> None:
-    """Repetition (also hidden by a 50-char tail) and length truncation ask for a retry."""
+    """Repetition (also hidden by a 50-char tail) asks for a retry; a cut by length does not
+    (Chandra keeps the cut-off text)."""
     looped = "<p>" + "x y " * 200
     assert retry_reason(looped, "stop") == "repetition"
     tail_hidden = "<p>" + "ab" * 200 + "then a different 40-char ending here..."
     assert not detect_repeat_token(tail_hidden)
     assert retry_reason(tail_hidden, "stop") == "repetition"
-    assert retry_reason("<p>A normal paragraph of text.</p>", "length") == "length"
+    assert retry_reason("<p>A normal paragraph of text.</p>", "length") is None
+    assert retry_reason(looped, "length") == "repetition"
     assert retry_reason("<p>A normal paragraph of text.</p>", "stop") is None
     assert retry_reason("", None) is None
 
@@ -299,3 +301,18 @@ def _small_png() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (280, 364), "white").save(buf, format="PNG")
     return buf.getvalue()
+
+
+def test_request_max_tokens_fits_the_context() -> None:
+    """The budget where it surely fits after the prompt; else left to the engine (None)."""
+    from chandrad.ocr import request_max_tokens
+
+    assert request_max_tokens(12384, 18000, 5000) == 12384
+    assert request_max_tokens(12384, 18000, 5617) is None
+    assert request_max_tokens(12384, None, 5617) == 12384
+
+
+def test_error_retry_delay_is_chandras() -> None:
+    from chandrad.ocr import error_retry_delay
+
+    assert [error_retry_delay(n) for n in (1, 2, 3)] == [2.0, 4.0, 6.0]

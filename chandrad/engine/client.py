@@ -33,6 +33,8 @@ class EngineClient:
     def __init__(self, base_url: str, *, api_key: str = "", timeout: float = 600.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
+        #: ``max_model_len`` of each served model, as the last ``/v1/models`` listed it.
+        self.max_model_len: dict[str, int] = {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
@@ -60,7 +62,11 @@ class EngineClient:
             data = response.json()
         except (httpx.HTTPError, ValueError):
             return []
-        return [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)]
+        listed = [m for m in data.get("data", []) if isinstance(m, dict)]
+        for m in listed:
+            if isinstance(m.get("max_model_len"), int):
+                self.max_model_len[str(m.get("id"))] = int(m["max_model_len"])
+        return [str(m.get("id")) for m in listed]
 
     async def is_ready(self, model: str) -> bool:
         """SPEC §4.1 readiness: ``/health`` 200 and ``model`` listed in ``/v1/models``."""

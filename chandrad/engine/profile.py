@@ -133,6 +133,11 @@ class Decision:
         return self.profile is None
 
 
+def estimate_prompt_tokens(width: int, height: int) -> int:
+    """An upper estimate of one page's prompt: Chandra's prompt plus the image's tokens."""
+    return PROMPT_TOKENS + -(-(width * height) // PIXELS_PER_IMAGE_TOKEN)
+
+
 def page_tokens(max_pixels: int, max_output_tokens: int) -> int:
     """What one page needs in the context: prompt + image tokens + output budget."""
     return PROMPT_TOKENS + max_pixels // PIXELS_PER_IMAGE_TOKEN + max_output_tokens

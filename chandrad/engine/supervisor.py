@@ -197,6 +197,11 @@ class EngineSupervisor:
         return self.profile.max_output_tokens or self.ocr.max_output_tokens
 
     @property
+    def max_model_len(self) -> int | None:
+        """Context length the engine reported in ``/v1/models`` at its last readiness probe."""
+        return self._client.max_model_len.get(self.engine.served_model_name)
+
+    @property
     def capacity(self) -> int:
         """In-flight requests to aim for: the engine's sequence slots plus a small
         waiting queue so it never idles between requests; no extra while vLLM

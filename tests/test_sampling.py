@@ -1,0 +1,229 @@
+"""Sampling as Chandra does it, through the real daemon (issue 10).
+
+The engine is a stand-in HTTP server that speaks vLLM's OpenAI protocol the way vLLM
+0.11-0.17 does (``/health``, ``/v1/models`` with ``max_model_len``, chat completions
+that answer 400 when ``max_tokens`` does not fit after the prompt, MinerU#4868), with
+answers scripted per page by the page's colour: a repetition loop, a cut by
+``length``, a request error. Everything else is the real daemon (``engine.url``),
+real rendering, the real store and outputs. The same contract on the real CPU engine
+is in ``test_sampling_engine.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+MAX_MODEL_LEN = 13000
+#: What the real model's prompt costs (Chandra's prompt ~900 tokens, one token per
+#: 32x32 px for Qwen3.5's 16 px patches merged 2x2): the stand-in's tokenizer.
+PROMPT_TEXT_TOKENS = 900
+GOOD = '<div data-bbox="0 0 1000 1000" data-label="Text"><p>Page {n} text.</p></div>'
+LOOP = '<div data-bbox="0 0 1000 1000" data-label="Text"><p>' + "the same line. " * 80
+CUT = '<div data-bbox="0 0 1000 1000" data-label="Text"><p>The answer was cut off he'
+
+#: page colour → what the stand-in answers, request after request.
+SCRIPTS: dict[tuple[int, int, int], list[tuple[str, str]]] = {
+    (255, 0, 0): [(CUT, "length")],                          # cut by length: kept
+    (0, 255, 0): [(LOOP, "stop"), (GOOD, "stop")],           # a loop, then a good answer
+    (0, 0, 255): [("400", ""), (GOOD, "stop")],              # a request error, then good
+    (255, 255, 0): [(LOOP, "stop"), (LOOP, "stop"), (LOOP, "stop"), (LOOP, "stop")],
+}
+NAMES = {(255, 0, 0): "cut", (0, 255, 0): "loop", (0, 0, 255): "error",
+         (255, 255, 0): "loops"}
+
+
+class StandInEngine(ThreadingHTTPServer):
+    requests: list[dict[str, Any]]
+    served: dict[tuple[int, int, int], int]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: StandInEngine
+
+    def log_message(self, format: str, *args: Any) -> None:
+        del format, args
+
+    def _json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._json(200, {})
+        elif self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": "chandra", "object": "model", "max_model_len": MAX_MODEL_LEN}]})
+        elif self.path == "/metrics":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self._json(404, {})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        url = body["messages"][0]["content"][0]["image_url"]["url"]
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        colour = image.convert("RGB").getpixel((image.width // 2, image.height // 2))
+        assert isinstance(colour, tuple)
+        key = (int(colour[0]), int(colour[1]), int(colour[2]))
+        prompt = PROMPT_TEXT_TOKENS + math.ceil(image.width / 32) * math.ceil(image.height / 32)
+        self.server.requests.append({**{k: v for k, v in body.items() if k != "messages"},
+                                     "page": NAMES.get(key, str(key)), "at": time.monotonic(),
+                                     "prompt_tokens": prompt})
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and max_tokens + prompt > MAX_MODEL_LEN:
+            # vLLM 0.11-0.17's answer (serving_chat.py), as MinerU#4868 quotes it.
+            self._json(400, {"object": "error", "type": "BadRequestError", "code": 400,
+                             "message": f"'max_tokens' or 'max_completion_tokens' is too large: "
+                             f"{max_tokens}. This model's maximum context length is "
+                             f"{MAX_MODEL_LEN} tokens and your request has {prompt} input "
+                             f"tokens ({max_tokens} > {MAX_MODEL_LEN} - {prompt})."})
+            return
+        script = SCRIPTS[key]
+        n = self.server.served.get(key, 0)
+        self.server.served[key] = n + 1
+        text, finish = script[min(n, len(script) - 1)]
+        if text == "400":
+            self._json(400, {"object": "error", "type": "BadRequestError", "code": 400,
+                             "message": "simulated: the image could not be processed"})
+            return
+        self._json(200, {
+            "id": "cmpl-1", "object": "chat.completion", "model": "chandra",
+            "choices": [{"index": 0, "finish_reason": finish,
+                         "message": {"role": "assistant", "content": text.format(n=n)}}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 10,
+                      "total_tokens": prompt + 10}})
+
+
+@pytest.fixture()
+def engine() -> Iterator[StandInEngine]:
+    server = StandInEngine(("127.0.0.1", 0), _Handler)
+    server.requests = []
+    server.served = {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _run_daemon(root: Path, port: int, free_port: Callable[[], int]) -> subprocess.Popen[bytes]:
+    config = root / "chandrad.toml"
+    config.write_text(f"""
+[daemon]
+state_dir = "{root / 'state'}"
+log_format = "json"
+
+[[watch]]
+input = "{root / 'inbox'}"
+settle_seconds = 0.5
+poll_interval = 0.2
+
+[ocr]
+retries = 3
+min_side_px = 64
+formats = ["md", "json"]
+render_workers = 1
+
+[engine]
+url = "http://127.0.0.1:{port}"
+
+[control]
+socket = "{root / 'control.sock'}"
+""", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
+    log = (root / "daemon.log").open("ab")
+    return subprocess.Popen([sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env)
+
+
+def _wait_outputs(root: Path, stems: list[str], proc: subprocess.Popen[bytes],
+                  timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError((root / "daemon.log").read_text(errors="replace")[-3000:])
+        if all((root / "output" / s / f"{s}_metadata.json").exists() for s in stems):
+            return
+        time.sleep(0.5)
+    raise AssertionError("outputs missing:\n"
+                         + (root / "daemon.log").read_text(errors="replace")[-3000:])
+
+
+def test_pages_are_sampled_and_retried_as_chandra_does(
+    tmp_path: Path, engine: StandInEngine, free_port: Callable[[], int]
+) -> None:
+    """length → kept + truncated, 1 attempt; loop → retried at Chandra's temperatures;
+    request error → retried after Chandra's pause; loops to the end → failed with the real
+    attempt count; no request is rejected for max_tokens."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    proc = _run_daemon(tmp_path, engine.server_address[1], free_port)
+    try:
+        for colour, name in NAMES.items():
+            Image.new("RGB", (640, 800), colour).save(tmp_path / f"{name}.png")
+            os.rename(tmp_path / f"{name}.png", inbox / f"{name}.png")
+        _wait_outputs(tmp_path, list(NAMES.values()), proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+    def page(stem: str) -> dict[str, Any]:
+        doc = json.loads((tmp_path / "output" / stem / f"{stem}.json").read_text())
+        entry: dict[str, Any] = doc["pages"][0]
+        return entry
+
+    def meta(stem: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(
+            (tmp_path / "output" / stem / f"{stem}_metadata.json").read_text())
+        return out
+
+    def sent(stem: str) -> list[dict[str, Any]]:
+        return [r for r in engine.requests if r["page"] == stem]
+
+    # Every request fits: max_tokens left out where the budget might not fit after the prompt.
+    for request in engine.requests:
+        assert ("max_tokens" not in request
+                or request["max_tokens"] + request["prompt_tokens"] <= MAX_MODEL_LEN), request
+
+    cut = page("cut")
+    assert (cut["status"], cut["attempts"], cut["truncated"]) == ("ok", 1, True)
+    assert "cut off" in (tmp_path / "output" / "cut" / "cut.md").read_text()
+    assert meta("cut")["pages_truncated"] == 1 and meta("cut")["pages"][0]["truncated"]
+    assert len(sent("cut")) == 1
+
+    loop = page("loop")
+    assert (loop["status"], loop["attempts"], loop["truncated"]) == ("ok", 2, False)
+    assert [(r["temperature"], r["top_p"]) for r in sent("loop")] == [(0.0, 0.1), (0.2, 0.95)]
+
+    error = page("error")
+    assert (error["status"], error["attempts"]) == ("ok", 2)
+    first, second = sent("error")
+    assert second["at"] - first["at"] >= 2.0  # Chandra sleeps 2 * (retries + 1) s
+    assert (second["temperature"], second["top_p"]) == (0.2, 0.95)
+
+    loops = page("loops")
+    assert loops["status"] == "failed" and loops["attempts"] == 4 == len(sent("loops"))
+    assert "repetition after 4 attempt(s)" in loops["error"]
+    assert [r["temperature"] for r in sent("loops")] == [0.0, 0.2, 0.4, 0.6]
