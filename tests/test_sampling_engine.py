@@ -34,7 +34,7 @@ def _prompt_tokens(model_dir: Path, png: bytes) -> int:
     from chandra.prompts import PROMPT_MAPPING
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)  # type: ignore[no-untyped-call]
     messages = [{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": PROMPT_MAPPING["ocr_layout"]}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
