@@ -19,11 +19,18 @@ if [[ "${CHANDRAD_DEMO_TINY:-}" == "1" ]] || ! nvidia-smi -L >/dev/null 2>&1; th
     .venv/bin/python tests/tiny_model.py "$model"
     engine_env='env = { VLLM_CPU_KVCACHE_SPACE = "1" }'
     memory=$'max_num_seqs = 16\nmax_model_len = 4096'
+    ocr='max_output_tokens = 1024'
     echo "demo: no GPU: tiny CPU model (its text is meaningless; the pipeline is real)"
 else
     model="datalab-to/chandra-ocr-2"
+    # First start: vLLM downloads the weights (about 10 GB) into the Hugging Face cache.
     engine_env='env = { HF_HUB_OFFLINE = "0" }'
-    memory=$'gpu_memory_utilization = 0.9\nmax_num_seqs = "auto"\nmax_num_batched_tokens = "auto"'
+    # Every "auto" (the defaults) is Chandra's own launch for this GPU: 0.85 of its memory,
+    # max_model_len 18000, bfloat16, prefix caching, its GPU table; preview it with
+    # `.venv/bin/chandrad check-config --config demo/chandrad.toml`.
+    memory='# all "auto": Chandra'"'"'s launch for this GPU (see etc/chandrad.toml)'
+    ocr='# max_output_tokens = 12384 (Chandra'"'"'s), clamped to what max_model_len leaves'
+    echo "demo: GPU: datalab-to/chandra-ocr-2 with Chandra's launch flags; the first start downloads it"
 fi
 
 cat > "$demo/chandrad.toml" <<TOML
@@ -40,7 +47,7 @@ failed = "$demo/failed"
 settle_seconds = 1.0
 
 [ocr]
-max_output_tokens = 1024
+$ocr
 
 [engine]
 model = "$model"
