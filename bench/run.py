@@ -126,7 +126,7 @@ async def measure_render(docs: list[Doc], ocr_cfg: OcrConfig
         cpu0 = _proc.tree_cpu_seconds(workers) + time.process_time()
         t0 = time.perf_counter()
         pages = await asyncio.gather(*(
-            pool.render(d.path, i, ocr_cfg.min_side_px, ocr_cfg.max_pixels)
+            pool.render(d.path, i, ocr_cfg.render_min_side, ocr_cfg.max_pixels)
             for d in docs for i in range(d.pages)))
         seconds = time.perf_counter() - t0
         cpu = _proc.tree_cpu_seconds(workers) + time.process_time() - cpu0

@@ -75,13 +75,18 @@ class OcrConfig:
     formats: tuple[str, ...] = ("md", "html", "json")
     include_images: bool = True
     include_headers_footers: bool = False
-    min_side_px: int = 1024
+    min_side_px: int | str = "auto"  # "auto": Chandra's, PDFs 1024 and images 1536
     max_pixels: int = 6291456
     max_pages: int = 5000
     retries: int = 6
     request_timeout: float = 600.0
     render_workers: int = 0  # 0 = number of CPUs
     max_in_flight: int = 0  # 0 = follow engine capacity
+
+    @property
+    def render_min_side(self) -> int | None:
+        """``min_side_px`` for the renderer: ``None`` = Chandra's own per kind of input."""
+        return None if self.min_side_px == "auto" else int(self.min_side_px)
 
 
 @dataclass(frozen=True)
@@ -438,7 +443,7 @@ def _ocr(r: _Reader) -> OcrConfig:
         include_images=r.get("include_images", (bool,), d.include_images),
         include_headers_footers=r.get("include_headers_footers", (bool,),
                                       d.include_headers_footers),
-        min_side_px=r.number("min_side_px", d.min_side_px, 16, 20000, True),
+        min_side_px=r.number("min_side_px", d.min_side_px, 16, 20000, True, allow=("auto",)),
         max_pixels=r.number("max_pixels", d.max_pixels, 1024, 200_000_000, True),
         max_pages=r.number("max_pages", d.max_pages, 1, 1_000_000, True),
         retries=r.number("retries", d.retries, 0, 100, True),

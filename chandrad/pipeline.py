@@ -37,9 +37,9 @@ from typing import Any
 
 import structlog
 
-from chandrad import ocr, outputs
+from chandrad import model_files, ocr, outputs
 from chandrad.config import Config, WatchConfig
-from chandrad.engine.profile import estimate_prompt_tokens
+from chandrad.engine.profile import PIXELS_PER_IMAGE_TOKEN, estimate_prompt_tokens
 from chandrad.errors import (
     ChandradError,
     EngineUnavailable,
@@ -178,6 +178,7 @@ class Pipeline:
         self._active: dict[int, asyncio.Task[None]] = {}
         self._active_paths: dict[int, Path] = {}
         self._backoff: dict[int, _Backoff] = {}
+        self._patch_pixels: tuple[str, int] | None = None  # (model, pixels per image token)
         self._wake = asyncio.Event()
         self._intake: list[_Settled] = []
         self._intake_ready = asyncio.Event()
@@ -499,7 +500,7 @@ class Pipeline:
         cfg = self.config.ocr
         attempt = 0
         last_error = ""
-        prompt_estimate = estimate_prompt_tokens(width, height)
+        prompt_estimate = estimate_prompt_tokens(width, height, self._pixels_per_token())
         refit: tuple[int | None] | None = None  # max_tokens from the engine's own count
         while attempt <= cfg.retries:
             await self.dispatching.wait()
@@ -582,6 +583,14 @@ class Pipeline:
                 if reply is None:
                     await asyncio.sleep(ocr.error_retry_delay(attempt))
         return _PageOutcome(False, f"retries exhausted: {last_error}")
+
+    def _pixels_per_token(self) -> int:
+        """The served model's pixels per image token (its processor config), read once."""
+        model = self.config.engine.model
+        if self._patch_pixels is None or self._patch_pixels[0] != model:
+            found = model_files.pixels_per_image_token(model)
+            self._patch_pixels = (model, found or PIXELS_PER_IMAGE_TOKEN)
+        return self._patch_pixels[1]
 
     async def _finish(self, job: Job, watch: WatchConfig, started: float,
                       moved: Path | None = None) -> None:

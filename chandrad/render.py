@@ -9,9 +9,9 @@ Size policy (Chandra 2, chandra-ocr 0.2.0):
 
 * PDFs are rendered at ``max(IMAGE_DPI, min_side_px / shortest side in points * 72)``
   dpi (``chandra.input.load_pdf_images``; ``IMAGE_DPI`` is 192 in ``chandra.settings``).
-* Images are upscaled so the shortest side is at least ``min_side_px``
-  (``chandra.input.load_image``, which uses ``MIN_IMAGE_DIM``; chandrad uses the
-  configured ``min_side_px`` for both kinds).
+* Images are upscaled so the shortest side is at least ``MIN_IMAGE_DIM`` (1536,
+  ``chandra.input.load_image``); PDFs use ``MIN_PDF_IMAGE_DIM`` (1024). A configured
+  ``min_side_px`` replaces both (``None``: Chandra's, per kind).
 * Then ``chandra.model.util.scale_to_fit`` decides the final size: total pixels within
   ``max_pixels`` and both sides snapped to its 28-px grid. We ask it for the size up
   front, so a PDF page is rasterised directly at the final size (never at a huge zoom
@@ -264,9 +264,14 @@ def _final(index: int, img: Image.Image, max_pixels: int) -> RenderedPage:
     return RenderedPage(index=index, png=_encode_png(img), width=img.width, height=img.height)
 
 
-def _render_pdf_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
+def _render_pdf_page(
+    path: Path, index: int, min_side_px: int | None, max_pixels: int
+) -> RenderedPage:
     import pymupdf
     from chandra.settings import settings as chandra_settings
+
+    if min_side_px is None:
+        min_side_px = int(chandra_settings.MIN_PDF_IMAGE_DIM)
 
     doc = _open_pdf(path)
     try:
@@ -373,7 +378,13 @@ def _multiframe_aware_open(path: Path) -> Iterator[Image.Image]:
         img.close()
 
 
-def _render_image_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
+def _render_image_page(
+    path: Path, index: int, min_side_px: int | None, max_pixels: int
+) -> RenderedPage:
+    if min_side_px is None:
+        from chandra.settings import settings as chandra_settings
+
+        min_side_px = int(chandra_settings.MIN_IMAGE_DIM)
     with _multiframe_aware_open(path) as img:
         pages = _image_pages(img)
         if not 0 <= index < pages:
@@ -404,8 +415,13 @@ def _render_image_page(path: Path, index: int, min_side_px: int, max_pixels: int
     return _final(index, rgb, max_pixels)
 
 
-def render_page(path: Path, index: int, min_side_px: int, max_pixels: int) -> RenderedPage:
-    """Render page ``index`` (0-based) of ``path`` to a PNG at Chandra's size policy."""
+def render_page(
+    path: Path, index: int, min_side_px: int | None, max_pixels: int
+) -> RenderedPage:
+    """Render page ``index`` (0-based) of ``path`` to a PNG at Chandra's size policy.
+
+    ``min_side_px=None``: Chandra's minimum for the kind of input (PDF 1024, image 1536).
+    """
     head = _sniff(path)
     if _is_pdf(head):
         return _render_pdf_page(path, index, min_side_px, max_pixels)
@@ -513,7 +529,7 @@ class RenderPool:
                         f"{what}: render worker died (crash or out of memory)") from exc
 
     async def render(
-        self, path: Path, index: int, min_side_px: int, max_pixels: int
+        self, path: Path, index: int, min_side_px: int | None, max_pixels: int
     ) -> RenderedPage:
         """Render one page in a worker process."""
         what = f"{path.name} page {index + 1}"

@@ -469,3 +469,15 @@ def test_pool_times_out_a_slow_page_and_recovers() -> None:
         pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
     ]
     _check_page(page, 0)
+
+
+def test_images_get_chandras_minimum(tmp_path: Path) -> None:
+    """min_side_px "auto" (None): an image is prepared exactly as chandra.input.load_image
+    + scale_to_fit prepare it (shortest side 1536)."""
+    from chandra.input import load_image
+
+    small = tmp_path / "small.png"
+    Image.new("RGB", (300, 420), "white").save(small)
+    ours = render_page(small, 0, None, MAX_PIXELS)
+    assert (ours.width, ours.height) == scale_to_fit(load_image(str(small))).size
+    assert min(ours.width, ours.height) >= 1536 - 28

@@ -133,9 +133,15 @@ class Decision:
         return self.profile is None
 
 
-def estimate_prompt_tokens(width: int, height: int) -> int:
-    """An upper estimate of one page's prompt: Chandra's prompt plus the image's tokens."""
-    return PROMPT_TOKENS + -(-(width * height) // PIXELS_PER_IMAGE_TOKEN)
+def estimate_prompt_tokens(width: int, height: int,
+                           pixels_per_token: int = PIXELS_PER_IMAGE_TOKEN) -> int:
+    """An upper estimate of one page's prompt: Chandra's prompt plus the image's tokens.
+
+    ``pixels_per_token`` from the model's own processor config where it is on this host
+    (``model_files.pixels_per_image_token``), else the Qwen2-VL 28×28 px, which
+    overestimates newer Qwen models.
+    """
+    return PROMPT_TOKENS + -(-(width * height) // pixels_per_token)
 
 
 def page_tokens(max_pixels: int, max_output_tokens: int) -> int:
