@@ -33,7 +33,7 @@ from chandrad.engine.profile import MemoryProfile, initial_profile
 
 _log = logging.getLogger("chandrad")
 
-PUBLIC_COMMANDS = "{run,check-config}"
+PUBLIC_COMMANDS = "{run,check-config,fetch-model}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar=PUBLIC_COMMANDS, required=True)
     for name, text in (("run", "run the daemon in the foreground (systemd runs this)"),
                        ("check-config", "validate the config, including every engine flag "
-                        "against the installed vLLM, and print the engine command line")):
+                        "against the installed vLLM, and print the engine command line"),
+                       ("fetch-model", "download engine.model into the Hugging Face cache the "
+                        "engine reads (resumable; for air-gapped hosts: fetch elsewhere, copy "
+                        "the cache)")):
         one = sub.add_parser(name, help=text, description=text)
         one.add_argument("--config", type=Path, default=None, metavar="PATH",
                          help="config file (default: $CHANDRAD_CONFIG, else "
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "run": _run,
         "check-config": _check_config,
         "check-flags": _check_flags,
+        "fetch-model": _fetch_model,
     }
     checking = args.command in ("check-config", "check-flags")
     if checking and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -203,6 +207,7 @@ def _check_config(args: argparse.Namespace) -> int:
     profile = initial_profile(engine.memory, gib)
     cmd = command.build_engine_command(engine, profile, base_env=os.environ)
     problems = command.validate_engine_args(cmd.flags)
+    problems += _model_problems(engine, path)
     warnings = _vllm_warnings(profile.chandra_launch)
     if preview and sizing is None:
         problems.append(errors.ConfigProblem(
@@ -234,6 +239,38 @@ def _check_config(args: argparse.Namespace) -> int:
                 "previewed": preview, "chandra_gpu": launch.chandra_gpu(gib or 0.0)},
         }
     return _finish(problems, path, started, report=report, warnings=warnings)
+
+
+def _model_problems(engine: config.EngineConfig, path: Path) -> list[errors.ConfigProblem]:
+    """engine.offline with a model the cache does not hold: the engine could never start."""
+    model_files = importlib.import_module("chandrad.model_files")
+    cache = model_files.hub_cache_dir({**os.environ, **engine.env})
+    if not engine.offline or model_files.is_available(engine.model, cache_dir=cache):
+        return []
+    return [errors.ConfigProblem(
+        "engine.offline", f"model_not_found: {engine.model!r} is not in the Hugging Face cache "
+        f"({cache}) and engine.offline = true forbids downloading it; "
+        f"run `chandrad fetch-model --config {path}` as the daemon's user (or copy a cache "
+        "fetched elsewhere)", code="model_not_found")]
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    """Download engine.model into the cache the engine reads, printing bytes done/total."""
+    cfg = config.load_config(_config_path(args))
+    model = cfg.engine.model
+    if Path(model).is_dir():
+        print(f"engine.model is a local directory ({model}): nothing to fetch")
+        return errors.ExitCode.OK
+    fetch = importlib.import_module("chandrad.fetch")
+    os.environ.update(fetch.hub_environment(cfg.engine.env))  # before huggingface_hub loads
+
+    def report(done: int, total: int) -> None:
+        share = f" ({100 * done / total:.0f}%)" if total else ""
+        print(f"fetching {model}: {done}/{total} bytes{share}", flush=True)
+
+    where = fetch.fetch_model(model, report)
+    print(f"fetched {model} into {where}")
+    return errors.ExitCode.OK
 
 
 def _installed_vllm() -> tuple[str, str]:

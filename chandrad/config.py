@@ -134,6 +134,7 @@ class EngineConfig:
     port: int = 8000
     gpus: str = "all"
     dtype: str = "auto"  # "auto": bfloat16 with a GPU (Chandra's launch), vLLM's default without
+    offline: bool = False  # true: never reach the hub (HF_HUB_OFFLINE=1); the cache holds it
     python: str = ""  # "" = the daemon's own interpreter
     command: tuple[str, ...] = ()  # overrides python + module when set
     extra_args: tuple[str, ...] = ()
@@ -536,6 +537,7 @@ def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
         port=r.number("port", d.port, 1, 65535, True),
         gpus=str(r.get("gpus", (str, int), d.gpus)),
         dtype=r.choice("dtype", d.dtype, DTYPES),
+        offline=r.get("offline", (bool,), d.offline),
         python=r.get("python", (str,), d.python),
         command=tuple(str(c) for c in command),
         extra_args=r.strings("extra_args", d.extra_args),

@@ -52,6 +52,13 @@ class ChandradError(Exception):
         return out
 
 
+class ModelFetchFailed(ChandradError):
+    """``chandrad fetch-model`` could not download the model (network, unknown id, access)."""
+
+    code = "model_fetch_failed"
+    exit_code = ExitCode.UNAVAILABLE
+
+
 @dataclass(frozen=True)
 class ConfigProblem:
     """One thing wrong with a config file, located as precisely as we can."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,14 @@ _PROCESSOR_FILES = (
 )
 
 
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, as huggingface_hub resolves it (``HF_HUB_CACHE``,
-    else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+def hub_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The Hugging Face hub cache, as huggingface_hub resolves it from ``env`` (default:
+    this process's): ``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    env = os.environ if env is None else env
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
     return Path(home).expanduser() / "hub"
 
 
@@ -51,6 +53,25 @@ def model_file(model: str, filename: str, *, cache_dir: Path | None = None,
         commit = revision  # a commit hash given as the revision
     path = repo / "snapshots" / commit / filename
     return path if path.is_file() else None
+
+
+def is_available(model: str, *, cache_dir: Path | None = None) -> bool:
+    """Whether the engine can load ``model`` without the network: a local directory, or a
+    hub id whose snapshot in the HF cache has its ``config.json`` and every weight shard
+    its index names."""
+    if Path(model).is_dir():
+        return True
+    config = model_file(model, "config.json", cache_dir=cache_dir)
+    if config is None:
+        return False
+    index = config.with_name("model.safetensors.index.json")
+    if not index.is_file():
+        return any(config.parent.glob("*.safetensors")) or any(config.parent.glob("*.bin"))
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, AttributeError):
+        return False
+    return all((config.parent / shard).is_file() for shard in shards)
 
 
 def _image_processor(model: str) -> dict[str, Any] | None:

@@ -23,8 +23,10 @@ if [[ "${CHANDRAD_DEMO_TINY:-}" == "1" ]] || ! nvidia-smi -L >/dev/null 2>&1; th
     echo "demo: no GPU: tiny CPU model (its text is meaningless; the pipeline is real)"
 else
     model="datalab-to/chandra-ocr-2"
-    # First start: vLLM downloads the weights (about 10 GB) into the Hugging Face cache.
-    engine_env='env = { HF_HUB_OFFLINE = "0" }'
+    # First start: vLLM downloads the weights (about 9.3 GB) into the Hugging Face cache
+    # (engine.offline = false, the default); `.venv/bin/chandrad fetch-model --config
+    # demo/chandrad.toml` fetches them ahead with progress.
+    engine_env=''
     # Every "auto" (the defaults) is Chandra's own launch for this GPU: 0.85 of its memory,
     # max_model_len 18000, bfloat16, prefix caching, its GPU table; preview it with
     # `.venv/bin/chandrad check-config --config demo/chandrad.toml`.

@@ -56,7 +56,7 @@ def test_check_config_good_prints_engine_command_and_exits_0(tmp_path: Path) -> 
                  "--limit-mm-per-prompt '{\"image\": 1}'"):
         assert part in command_line
     assert "VLLM_CPU_KVCACHE_SPACE=1" in done.stdout
-    assert "HF_HUB_OFFLINE=1" in done.stdout
+    assert "HF_HUB_OFFLINE=0" in done.stdout
     assert done.stderr == ""
 
 

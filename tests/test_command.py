@@ -121,14 +121,17 @@ def test_env_is_full_environment_scrubbed_of_systemd_variables() -> None:
 
 
 def test_env_privacy_defaults_and_config_override() -> None:
-    """Usage stats off, offline hub by default; [engine] env overrides them."""
+    """Usage stats off; the hub reachable unless engine.offline; [engine] env overrides them."""
     env = command.build_engine_command(ENGINE, MemoryProfile(), base_env={}).env
     assert env["VLLM_NO_USAGE_STATS"] == "1"
     assert env["DO_NOT_TRACK"] == "1"
-    assert env["HF_HUB_OFFLINE"] == "1"
-    engine = replace(ENGINE, env={"HF_HUB_OFFLINE": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    env = command.build_engine_command(engine, MemoryProfile(), base_env={}).env
     assert env["HF_HUB_OFFLINE"] == "0"
+    offline = command.build_engine_command(replace(ENGINE, offline=True), MemoryProfile(),
+                                           base_env={"HF_HUB_OFFLINE": "0"}).env
+    assert offline["HF_HUB_OFFLINE"] == "1"
+    engine = replace(ENGINE, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    env = command.build_engine_command(engine, MemoryProfile(), base_env={}).env
+    assert env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
@@ -137,7 +140,7 @@ def test_env_added_lists_only_what_chandrad_changed() -> None:
     cmd = command.build_engine_command(ENGINE, MemoryProfile(),
                                        base_env={"PATH": "/bin", "DO_NOT_TRACK": "1"})
     assert "PATH" not in cmd.env_added and "DO_NOT_TRACK" not in cmd.env_added
-    assert cmd.env_added["HF_HUB_OFFLINE"] == "1"
+    assert cmd.env_added["HF_HUB_OFFLINE"] == "0"
 
 
 def test_cuda_visible_devices_from_gpus_unless_all() -> None:

@@ -587,7 +587,9 @@ _ACTIONS: dict[FailureClass, str] = {
 _FATAL_ACTIONS: dict[str, str] = {
     "model_not_found": (
         "fix engine.model (id or path), the Hugging Face access token, or the model "
-        "files' permissions for the daemon's user, then reload"
+        "files' permissions for the daemon's user, then reload; with engine.offline = true "
+        "the cache must hold the model: run `chandrad fetch-model --config <config>` as the "
+        "daemon's user (or copy a cache fetched elsewhere)"
     ),
     "unsupported_architecture": (
         "the installed vLLM cannot run this model: install a vLLM that supports it"

@@ -35,7 +35,6 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_ENGINE_ENV: dict[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
 }
 
 #: The variables that belong to chandrad's own systemd unit, never to a child's.
@@ -163,14 +162,17 @@ def engine_env(
 ) -> dict[str, str]:
     """The child's full environment.
 
-    Order: ``base_env`` without systemd's per-unit variables; the privacy/offline
-    defaults where ``base_env`` does not set them; ``CUDA_VISIBLE_DEVICES`` from
-    ``engine.gpus``; ``engine.env`` (wins over all of these); finally
+    Order: ``base_env`` without systemd's per-unit variables; the privacy defaults where
+    ``base_env`` does not set them; ``HF_HUB_OFFLINE`` from ``engine.offline``;
+    ``CUDA_VISIBLE_DEVICES`` from ``engine.gpus``; ``engine.env`` (wins over all of these); finally
     ``expandable_segments:True`` merged into the allocator config when the profile asks.
     """
     env = scrub_systemd_env(base_env)
     for name, value in DEFAULT_ENGINE_ENV.items():
         env.setdefault(name, value)
+    # engine.offline: the hub is never asked (the cache must hold the model); otherwise a
+    # model id that is not cached is downloaded on the first start.
+    env["HF_HUB_OFFLINE"] = "1" if engine.offline else "0"
     if engine.gpus.strip().lower() != "all":
         env["CUDA_VISIBLE_DEVICES"] = engine.gpus.replace(" ", "")
     env.update(engine.env)
