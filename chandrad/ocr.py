@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import io
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,18 +143,40 @@ def build_chat_request(
     return body
 
 
-def request_max_tokens(budget: int, max_model_len: int | None, prompt_tokens: int) -> int | None:
-    """``max_tokens`` for one page: the output budget where it surely fits, else ``None``.
+def request_max_tokens(budget: int, max_model_len: int | None, prompt_tokens: int) -> int:
+    """``max_tokens`` for one page: the output budget, cut to what the context leaves.
 
-    vLLM before 0.18-ish answers 400 when ``max_tokens`` exceeds what ``max_model_len``
-    leaves after the prompt (MinerU#4868). ``prompt_tokens`` is an upper estimate; when
-    ``budget`` might not fit after it, ``max_tokens`` is left out and the engine allows
-    exactly ``max_model_len`` minus the real prompt, so no page is rejected for it. An
-    unknown ``max_model_len`` (an engine that does not report it) keeps the budget.
+    vLLM up to 0.17 answers 400 when ``max_tokens`` exceeds what ``max_model_len`` leaves
+    after the prompt (MinerU#4868; later versions clamp by themselves).
+    ``prompt_tokens`` is an upper estimate: where it leaves room, ``max_tokens`` is cut to
+    that room, which then surely fits. Where it leaves none, the estimate is no guide (a
+    model that counts image tokens otherwise) and the budget is sent as is: a newer
+    engine clamps it, an older one answers 400 naming the real prompt length, and
+    :func:`context_overflow` turns that into the exact value for a second request.
     """
-    if max_model_len is None or prompt_tokens + budget <= max_model_len:
+    if max_model_len is None:
         return budget
-    return None
+    room = max_model_len - prompt_tokens
+    return min(budget, room) if room > 0 else budget
+
+
+_INPUT_TOKENS = (
+    re.compile(r"your request has (\d+) input tokens"),  # vLLM 0.10-0.17
+    re.compile(r"\((\d+) in the messages"),  # vLLM before 0.10
+)
+
+
+def context_overflow(message: str) -> tuple[bool, int | None]:
+    """Whether an engine's 400 says ``max_tokens`` did not fit after the prompt, and the
+    prompt's real token count when the message gives it."""
+    if "maximum context length" not in message or not (
+            "max_tokens" in message or "in the completion" in message):
+        return False, None
+    for pattern in _INPUT_TOKENS:
+        found = pattern.search(message)
+        if found:
+            return True, int(found.group(1))
+    return True, None
 
 
 def error_retry_delay(attempt: int) -> float:

@@ -304,12 +304,31 @@ def _small_png() -> bytes:
 
 
 def test_request_max_tokens_fits_the_context() -> None:
-    """The budget where it surely fits after the prompt; else left to the engine (None)."""
+    """The budget, cut to the room an upper estimate of the prompt leaves; with no room by
+    the estimate (it is no guide), the budget as is."""
     from chandrad.ocr import request_max_tokens
 
     assert request_max_tokens(12384, 18000, 5000) == 12384
-    assert request_max_tokens(12384, 18000, 5617) is None
+    assert request_max_tokens(12384, 18000, 7168) == 10832
+    assert request_max_tokens(16, 4096, 4942) == 16
     assert request_max_tokens(12384, None, 5617) == 12384
+
+
+def test_context_overflow_reads_vllms_400() -> None:
+    from chandrad.ocr import context_overflow
+
+    mineru = ("'max_tokens' or 'max_completion_tokens' is too large: 8192. This model's maximum "
+              "context length is 8192 tokens and your request has 1210 input tokens "
+              "(8192 > 8192 - 1210).")
+    assert context_overflow(mineru) == (True, 1210)
+    older = ("This model's maximum context length is 16384 tokens. However, you requested 19591 "
+             "tokens (9591 in the messages, 10000 in the completion).")
+    assert context_overflow(older) == (True, 9591)
+    prompt_alone = ("This model's maximum context length is 4096 tokens. However, your prompt "
+                    "contains 5000 input tokens, which exceeds this limit even without any "
+                    "output tokens.")
+    assert context_overflow(prompt_alone) == (False, None)
+    assert context_overflow("simulated: the image could not be processed") == (False, None)
 
 
 def test_error_retry_delay_is_chandras() -> None:

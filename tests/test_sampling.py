@@ -42,9 +42,12 @@ SCRIPTS: dict[tuple[int, int, int], list[tuple[str, str]]] = {
     (0, 255, 0): [(LOOP, "stop"), (GOOD, "stop")],           # a loop, then a good answer
     (0, 0, 255): [("400", ""), (GOOD, "stop")],              # a request error, then good
     (255, 255, 0): [(LOOP, "stop"), (LOOP, "stop"), (LOOP, "stop"), (LOOP, "stop")],
+    (255, 0, 255): [(GOOD, "stop")],                         # a prompt longer than estimated
 }
 NAMES = {(255, 0, 0): "cut", (0, 255, 0): "loop", (0, 0, 255): "error",
-         (255, 255, 0): "loops"}
+         (255, 255, 0): "loops", (255, 0, 255): "long"}
+#: The "long" page's prompt, far above chandrad's estimate (an unknown processor).
+LONG_PROMPT = 12000
 
 
 class StandInEngine(ThreadingHTTPServer):
@@ -87,6 +90,8 @@ class _Handler(BaseHTTPRequestHandler):
         assert isinstance(colour, tuple)
         key = (int(colour[0]), int(colour[1]), int(colour[2]))
         prompt = PROMPT_TEXT_TOKENS + math.ceil(image.width / 32) * math.ceil(image.height / 32)
+        if NAMES.get(key) == "long":
+            prompt = LONG_PROMPT
         self.server.requests.append({**{k: v for k, v in body.items() if k != "messages"},
                                      "page": NAMES.get(key, str(key)), "at": time.monotonic(),
                                      "prompt_tokens": prompt})
@@ -202,10 +207,14 @@ def test_pages_are_sampled_and_retried_as_chandra_does(
     def sent(stem: str) -> list[dict[str, Any]]:
         return [r for r in engine.requests if r["page"] == stem]
 
-    # Every request fits: max_tokens left out where the budget might not fit after the prompt.
-    for request in engine.requests:
-        assert ("max_tokens" not in request
-                or request["max_tokens"] + request["prompt_tokens"] <= MAX_MODEL_LEN), request
+    # Every request fits, but one: the "long" page's prompt is far above the estimate; the
+    # engine's 400 names its length and the second request asks for exactly what is left.
+    rejected = [r for r in engine.requests
+                if r["max_tokens"] + r["prompt_tokens"] > MAX_MODEL_LEN]
+    assert [r["page"] for r in rejected] == ["long"], rejected
+    assert [r["max_tokens"] for r in sent("long")][1:] == [MAX_MODEL_LEN - LONG_PROMPT]
+    long = page("long")
+    assert (long["status"], long["attempts"], long["truncated"]) == ("ok", 1, False)
 
     cut = page("cut")
     assert (cut["status"], cut["attempts"], cut["truncated"]) == ("ok", 1, True)
