@@ -150,14 +150,16 @@ def request_max_tokens(budget: int, max_model_len: int | None, prompt_tokens: in
     after the prompt (MinerU#4868; later versions clamp by themselves).
     ``prompt_tokens`` is an upper estimate: where it leaves room, ``max_tokens`` is cut to
     that room, which then surely fits. Where it leaves none, the estimate is no guide (a
-    model that counts image tokens otherwise) and the budget is sent as is: a newer
-    engine clamps it, an older one answers 400 naming the real prompt length, and
+    model that counts image tokens otherwise) and the budget is sent, at most
+    ``max_model_len``: a newer engine clamps it, an older one answers 400 naming the real
+    prompt length, and
     :func:`context_overflow` turns that into the exact value for a second request.
     """
     if max_model_len is None:
         return budget
     room = max_model_len - prompt_tokens
-    return min(budget, room) if room > 0 else budget
+    # vLLM 0.32 refuses max_tokens > max_model_len outright ("cannot be greater than").
+    return min(budget, room) if room > 0 else min(budget, max_model_len)
 
 
 _INPUT_TOKENS = (
@@ -169,6 +171,8 @@ _INPUT_TOKENS = (
 def context_overflow(message: str) -> tuple[bool, int | None]:
     """Whether an engine's 400 says ``max_tokens`` did not fit after the prompt, and the
     prompt's real token count when the message gives it."""
+    if "cannot be greater than max_model_len" in message:
+        return True, None
     if "maximum context length" not in message or not (
             "max_tokens" in message or "in the completion" in message):
         return False, None

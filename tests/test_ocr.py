@@ -311,6 +311,7 @@ def test_request_max_tokens_fits_the_context() -> None:
     assert request_max_tokens(12384, 18000, 5000) == 12384
     assert request_max_tokens(12384, 18000, 7168) == 10832
     assert request_max_tokens(16, 4096, 4942) == 16
+    assert request_max_tokens(12384, 611, 1087) == 611  # never above max_model_len
     assert request_max_tokens(12384, None, 5617) == 12384
 
 
@@ -329,6 +330,9 @@ def test_context_overflow_reads_vllms_400() -> None:
                     "output tokens.")
     assert context_overflow(prompt_alone) == (False, None)
     assert context_overflow("simulated: the image could not be processed") == (False, None)
+    vllm_032 = ("max_tokens=12384 cannot be greater than max_model_len=611. Please request "
+                "fewer output tokens.")
+    assert context_overflow(vllm_032) == (True, None)
 
 
 def test_error_retry_delay_is_chandras() -> None:
