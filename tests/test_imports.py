@@ -39,7 +39,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "adapter": ("chandrad.engine.process", "chandrad.engine.session", "chandrad.engine.learned",
                 "chandrad.engine.client", "chandrad.gpu",
                 "chandrad.store", "chandrad.watch", "chandrad.render", "chandrad.outputs",
-                "chandrad.systemd", "chandrad.logs"),
+                "chandrad.systemd", "chandrad.logs", "chandrad.model_files", "chandrad.fetch"),
     "service": ("chandrad.engine.supervisor", "chandrad.pipeline", "chandrad.control.server",
                 "chandrad.control.handlers"),
     "daemon": ("chandrad.daemon",),
