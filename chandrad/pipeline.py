@@ -479,7 +479,7 @@ class Pipeline:
     async def _render(self, job: Job, index: int) -> RenderedPage:
         """Render one page; a crashed or hung worker takes its pool-mates down with it,
         so a page that failed that way gets one more try before it counts."""
-        args = (job.abs_path, index, self.config.ocr.min_side_px, self.engine.max_pixels)
+        args = (job.abs_path, index, self.config.ocr.render_min_side, self.engine.max_pixels)
         try:
             return await self.render.render(*args)
         except (RenderCrashed, RenderTimeout) as exc:
