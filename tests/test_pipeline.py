@@ -177,8 +177,11 @@ def folders(root: Path, name: str) -> Folders:
 
 def write_config(root: Path, standin: StandinEngine, watches: list[Folders],
                  **ocr: Any) -> Config:
+    # min_side_px fixed: the stand-in tells pages apart by their rendered width, and
+    # "auto" renders images at Chandra's 1536 px minimum.
     ocr_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in
-                          {"retries": 1, "render_workers": 1, **ocr}.items())
+                          {"retries": 1, "render_workers": 1, "min_side_px": 1024,
+                           **ocr}.items())
     watch_text = "\n".join(f"""
 [[watch]]
 input = "{w.input}"
