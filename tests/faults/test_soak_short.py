@@ -37,11 +37,11 @@ def _soak(tmp_path: Path, *args: str) -> dict[str, object]:
 
 
 def test_soak_short_engine_sigkill(tmp_path: Path) -> None:
-    summary = _soak(tmp_path, "--pages", "40", "--max-doc", "15", "--kill", "4", "9",
+    summary = _soak(tmp_path, "--pages", "40", "--max-doc", "15", "--kill", "1", "4",
                     "--standin-delay", "0.3")
     assert summary["lost"] == 0 and summary["done_twice"] == 0
     assert summary["page_count_mismatch"] == 0
-    assert isinstance(summary["faults"], int) and summary["faults"] >= 2, summary
+    assert isinstance(summary["faults"], int) and summary["faults"] >= 1, summary
 
 
 def test_backlog_short_engine_restarts(tmp_path: Path) -> None:
