@@ -100,8 +100,9 @@ def test_daemon_sigkill_at_random_points(tmp_path: Path, corpus_dir: Path,
                   "committed", flush=True)
             for key, at in before.items():
                 committed.setdefault(key, at)
-            with sqlite3.connect(f"file:{d.db_path}?mode=ro", uri=True) as conn:
-                assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+            if d.db_path.exists():  # a kill early in the first start-up precedes the store
+                with sqlite3.connect(f"file:{d.db_path}?mode=ro", uri=True) as conn:
+                    assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
             after = d.done_pages()  # what the store says after the kill
             changed = [k for k, t in committed.items() if k in after and after[k] != t]
             assert not changed, f"round {n} (seed {seed}): committed pages changed {changed}"
