@@ -4,7 +4,9 @@ Start-up → serve → drain → shutdown (uvicorn's shape). Owns the one comman
 that signals and control requests both feed (gunicorn's arbiter: signal handlers
 only enqueue), the ``DaemonState`` machine, reload, and the systemd notifications.
 Implements ``interfaces.DaemonControl`` for the control socket. The only place
-that imports concrete services and adapters together.
+that imports concrete services and adapters together. Every long-lived task runs
+under the one ``chandrad.tasks.TaskSupervisor`` (logged, quarantined, restarted,
+shown in ``status``); while one is dead the systemd watchdog is no longer fed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from chandrad import PROTOCOL_VERSION, __version__
+from chandrad import PROTOCOL_VERSION, __version__, names
 from chandrad import gpu as nvml
 from chandrad.config import Config, key_line, load_config
 from chandrad.control.handlers import Handlers
@@ -42,6 +44,7 @@ from chandrad.render import RenderPool
 from chandrad.states import DAEMON_TRANSITIONS, DaemonState, EngineState
 from chandrad.store import Store
 from chandrad.systemd import Notifier, WatchdogPinger
+from chandrad.tasks import TaskSupervisor
 from chandrad.watch import FolderWatcher, SettledFile
 
 log = structlog.get_logger("chandrad.daemon")
@@ -90,9 +93,10 @@ class Daemon:
         self.state = DaemonState.STARTING
         self.started = time.monotonic()
         self.notifier = Notifier.from_env()
-        self.pinger = WatchdogPinger(self.notifier)
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[Any]] = []
+        self.tasks = TaskSupervisor(on_change=self._notify_status)
+        # A task that stays dead starves systemd's watchdog: the service restarts.
+        self.pinger = WatchdogPinger(self.notifier, healthy=self.tasks.healthy)
         self._drain_waiters: list[asyncio.Future[dict[str, Any]]] = []
         self.exit_code = ExitCode.OK
         self.store: Store | None = None
@@ -126,6 +130,11 @@ class Daemon:
         line = (f"{self.state.value}; engine {engine}; queue pending={counts.get('pending', 0)} "
                 f"active={counts.get('active', 0)} done={counts.get('done', 0)} "
                 f"failed={counts.get('failed', 0)}")
+        if counts.get("held"):
+            line += f" held={counts['held']} (outputs unwritable)"
+        degraded = self.tasks.degraded()
+        if degraded:
+            line += f"; DEGRADED: {', '.join(degraded)} (chandractl status)"
         if self.engine and self.engine.state is EngineState.FATAL:
             line += f"; ENGINE FATAL: {self.engine.fatal_reason} (chandractl engine restart)"
         elif self.engine and self.engine.state is EngineState.STARTING:
@@ -178,12 +187,15 @@ class Daemon:
         await self.control.start()
         self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
         await self.watcher.start()
-        self._tasks = [
-            asyncio.create_task(self.engine.run(), name="engine"),
-            asyncio.create_task(self.pipeline.run(), name="pipeline"),
-            asyncio.create_task(self.watcher.run(), name="watcher"),
-            asyncio.create_task(self.pinger.run(), name="watchdog"),
-        ]
+        pipeline = self.pipeline
+        self.tasks.start("engine", self.engine.run)
+        self.tasks.start("intake", pipeline.intake_loop, quarantine=pipeline.quarantine,
+                         describe=_describe_item)
+        self.tasks.start("dispatch", pipeline.dispatch_loop, quarantine=pipeline.quarantine,
+                         describe=_describe_item)
+        self._start_watcher_task()
+        if self.pinger.interval is not None:
+            self.tasks.start("watchdog", self.pinger.run)
         self._set_state(DaemonState.RUNNING, "started")
         self.notifier.ready(self.status_line())
         log.info("daemon_started", version=__version__, pid=os.getpid(),
@@ -217,6 +229,11 @@ class Daemon:
         if problems:
             raise ConfigError(problems)
 
+    def _start_watcher_task(self) -> None:
+        assert self.watcher is not None and self.pipeline is not None
+        self.tasks.start("watcher", self.watcher.run, quarantine=self.pipeline.quarantine,
+                         describe=_describe_item)
+
     def _has_backlog(self) -> bool:
         counts = self.store.counts() if self.store else {}
         return counts.get("pending", 0) + counts.get("active", 0) > 0
@@ -235,10 +252,10 @@ class Daemon:
                 command = await asyncio.wait_for(self._commands.get(), timeout=TICK)
             except TimeoutError:
                 command = None
-            for task in [*self._tasks, self._reload_task]:
-                if task is not None and task.done() and not task.cancelled() \
-                        and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            task = self._reload_task  # one-shot, not supervised: its crash is a bug
+            if task is not None and task.done() and not task.cancelled() \
+                    and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
             self._next_reload()
             if command is not None:
                 if command.name == "shutdown_now":
@@ -308,6 +325,7 @@ class Daemon:
         self.notifier.stopping("draining: finishing accepted pages")
         self.pipeline.accepting = False
         if self.watcher is not None:
+            self.tasks.let_finish("watcher")
             self.watcher.stop()
         # Jobs in flight finish their current pages only when the engine can serve them.
         deadline = time.monotonic() + self.config.engine.stop_timeout + 60
@@ -335,22 +353,21 @@ class Daemon:
             self._set_state(DaemonState.STOPPING, "shutdown")
         self.notifier.stopping("stopping the engine")
         if self.watcher is not None:
+            self.tasks.let_finish("watcher")
             self.watcher.stop()
         if self.control is not None:
             await self.control.close()
-        for task in self._tasks:
-            if task.get_name() != "engine":
-                task.cancel()
+        await self.tasks.stop("intake", "dispatch", "watcher", "watchdog")
         if self.engine is not None:
             self.notifier.extend_timeout(self.config.engine.stop_timeout + 30)
+            self.tasks.let_finish("engine")
             await self.engine.shutdown()
-            engine_task = next((t for t in self._tasks if t.get_name() == "engine"), None)
+            engine_task = self.tasks.runner("engine")
             if engine_task is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(engine_task, self.config.engine.stop_timeout + 30)
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                    await asyncio.wait_for(asyncio.shield(engine_task),
+                                           self.config.engine.stop_timeout + 30)
+        await self.tasks.stop()
         if self.store is not None:
             # Pages cut off by the stop go back to the queue for the next start.
             self.store.release_all_in_flight()
@@ -395,11 +412,12 @@ class Daemon:
         self.config = new
         self.pipeline.config = new
         if watches_changed and self.watcher is not None:
+            self.tasks.let_finish("watcher")
             self.watcher.stop()
             self.watcher = FolderWatcher(new.watch, self._on_settled,
                                          loop=asyncio.get_running_loop())
             await self.watcher.start()
-            self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
+            self._start_watcher_task()
         self._set_state(previous, "reloaded")
         self.notifier.ready(self.status_line())
         log.info("config_reloaded", engine_restart=restart, watches_changed=watches_changed)
@@ -423,7 +441,9 @@ class Daemon:
                 "config": str(self.config.path),
                 "accepting": bool(self.pipeline and self.pipeline.accepting),
                 "dispatching": bool(self.pipeline and self.pipeline.dispatching.is_set()),
+                "degraded": self.tasks.degraded(),
             },
+            "tasks": self.tasks.snapshot(),
             "engine": self.engine.snapshot(),
             "queue": self._counts(),
             "held": self.pipeline.held() if self.pipeline else {"count": 0, "jobs": []},
@@ -530,6 +550,16 @@ class Daemon:
             raise ControlError("invalid_state", "draining: no new files are accepted")
         found = await self.watcher.rescan()
         return {"candidates": found}
+
+
+def _describe_item(item: Any) -> str:
+    """A task's item for logs and status: a job, or a settled file ``(index, root, path…)``."""
+    if isinstance(item, tuple) and len(item) >= 3:
+        return names.display(item[2])
+    job_id, path = getattr(item, "id", None), getattr(item, "abs_path", None)
+    if job_id is not None and path is not None:
+        return f"job {job_id} ({names.display(path)})"
+    return names.text(repr(item))
 
 
 def _keep_start_only_settings(running: Config, new: Config) -> tuple[Config, list[str]]:

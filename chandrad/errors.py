@@ -8,6 +8,7 @@ Only ``cli.py`` and ``ctl/main.py`` turn these into process exit statuses.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -149,6 +150,18 @@ class OutputError(ChandradError):
     """Writing outputs or moving the input failed."""
 
     code = "output_write_failed"
+
+
+class OutputUnwritable(OutputError):
+    """The output side refuses writes for now (disk full, quota, read-only, permission).
+
+    An expected OS condition, not a defect: the job is held and retried, its input
+    stays accepted, and it is logged as one warning line without a traceback.
+    """
+
+    code = "output_unwritable"
+    ERRNOS: ClassVar[frozenset[int]] = frozenset(
+        {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 class ControlError(ChandradError):

@@ -16,6 +16,15 @@ or a directory chandrad did not create, gets the next free ``<stem> (1)``,
 
 Name clashes in ``done/``/``failed/`` use the same style: ``report.pdf`` becomes
 ``report (1).pdf``, ``report (2).pdf``, ...
+
+Names (``chandrad.names``): an input keeps its exact bytes name in ``done/`` and
+``failed/``; everything chandrad creates from a name (output directories and files,
+``<name>.error.json``, temp names) uses a safe name: valid UTF-8, no control
+characters, within ``NAME_MAX`` (shortened with a hash when needed).
+
+Errors: an ``OSError`` while writing becomes :class:`OutputError`, or
+:class:`OutputUnwritable` when the output side refuses writes (full, over quota,
+read-only, permission): the caller holds the job instead of failing it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chandrad.errors import OutputError
+from chandrad import names
+from chandrad.errors import OutputError, OutputUnwritable
 
 CLAIM_FILE = ".chandrad-source.json"
 _MAX_SUFFIX = 10_000
@@ -65,7 +75,14 @@ def fsync_dir(directory: Path) -> None:
 
 
 def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    hex8 = secrets.token_hex(4)
+    return path.with_name(names.fit(f".{path.name}", f".{hex8}.tmp"))
+
+
+def output_error(message: str, exc: OSError, path: Path) -> OutputError:
+    """The typed error for an ``OSError`` on the output side (see module docstring)."""
+    cls = OutputUnwritable if exc.errno in OutputUnwritable.ERRNOS else OutputError
+    return cls(f"{message}: {exc.strerror or exc}", path=names.display(path), errno=exc.errno)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -86,25 +103,34 @@ def atomic_write(path: Path, data: bytes) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
+        raise output_error(f"cannot write {names.display(path)}", exc, path) from exc
 
 
 def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return names.text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def output_stem(input_path: Path) -> str:
+    """The safe stem of an input's output files (``report.pdf`` → ``report``)."""
+    return names.output_name(input_path.stem)
 
 
 def output_dir_for(output_root: Path, input_root: Path, input_path: Path) -> Path:
-    """``<output>/<relative dir>/<stem>`` for an input found under ``input_root``."""
+    """``<output>/<relative dir>/<stem>`` for an input found under ``input_root``,
+    every component a safe name."""
     try:
         relative = input_path.relative_to(input_root)
     except ValueError as exc:
-        raise OutputError(f"{input_path} is not under the watched folder {input_root}") from exc
-    return output_root / relative.parent / input_path.stem
+        raise OutputError(f"{names.display(input_path)} is not under the watched folder "
+                          f"{names.display(input_root)}") from exc
+    parents = [names.fit(names.display(part)) for part in relative.parent.parts]
+    return output_root.joinpath(*parents) / output_stem(input_path)
 
 
 def _suffixed(path: Path, n: int) -> Path:
-    """``name (n).ext`` (``name (n)`` for a directory or a name without a suffix)."""
-    return path.with_name(f"{path.stem} ({n}){path.suffix}")
+    """``name (n).ext`` (``name (n)`` for a directory or a name without a suffix),
+    the name shortened to fit ``NAME_MAX``."""
+    return path.with_name(names.fit(path.stem, f" ({n}){path.suffix}"))
 
 
 def _read_claim(directory: Path) -> dict[str, Any] | None:
@@ -194,7 +220,7 @@ def write_document(
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot create {target}: {exc.strerror or exc}") from exc
+        raise output_error(f"cannot create {names.display(target)}", exc, target) from exc
 
     files: dict[str, bytes] = {}
     metadata_name = f"{stem}_metadata.json"
@@ -229,18 +255,22 @@ def write_document(
             for p in pages
         ],
     }
-    names = [*files, metadata_name]
-    claim = {"source": source, "source_sha256": sha, "files": names}
-    atomic_write(target / CLAIM_FILE, _json_bytes(claim))
-
+    all_names = [*files, metadata_name]
+    claim = {"source": source, "source_sha256": sha, "files": all_names}
     written: list[Path] = []
-    for name, data in files.items():
-        atomic_write(target / name, data)
-        written.append(target / name)
-    atomic_write(target / metadata_name, _json_bytes(full_metadata))
-    written.append(target / metadata_name)
+    try:
+        atomic_write(target / CLAIM_FILE, _json_bytes(claim))
+        for name, data in files.items():
+            atomic_write(target / name, data)
+            written.append(target / name)
+        atomic_write(target / metadata_name, _json_bytes(full_metadata))
+        written.append(target / metadata_name)
+    except OutputError:
+        if previous is None:
+            _remove_partial(target, written)
+        raise
 
-    stale = set(previous.get("files", []) if previous else []) - set(names)
+    stale = set(previous.get("files", []) if previous else []) - set(all_names)
     for name in stale:
         if "/" in str(name) or str(name).startswith("."):
             continue  # only plain names we wrote ourselves
@@ -249,6 +279,16 @@ def write_document(
     if stale:
         fsync_dir(target)
     return written
+
+
+def _remove_partial(target: Path, written: list[Path]) -> None:
+    """A first write that failed part way: take away what it wrote, so no half
+    document is left (a rewrite keeps the earlier complete files instead)."""
+    with contextlib.suppress(OSError):
+        for path in (*written, target / CLAIM_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        target.rmdir()
 
 
 def _copy_durably(src: Path, dst: Path) -> None:
@@ -287,7 +327,8 @@ def move_to(dest_dir: Path, input_root: Path, input_path: Path) -> Path:
     try:
         relative = input_path.relative_to(input_root)
     except ValueError as exc:
-        raise OutputError(f"{input_path} is not under the watched folder {input_root}") from exc
+        raise OutputError(f"{names.display(input_path)} is not under the watched folder "
+                          f"{names.display(input_root)}") from exc
     final_dir = dest_dir / relative.parent
     try:
         final_dir.mkdir(parents=True, exist_ok=True)
@@ -307,13 +348,13 @@ def move_to(dest_dir: Path, input_root: Path, input_path: Path) -> Path:
                 if _move_across(input_path, dst):
                     break
         else:
-            raise OutputError(f"no free name for {input_path.name} in {final_dir}")
+            raise OutputError(f"no free name for {names.display(input_path.name)} in "
+                              f"{names.display(final_dir)}")
         fsync_dir(final_dir)
         fsync_dir(input_path.parent)
     except OSError as exc:
-        raise OutputError(
-            f"cannot move {input_path} to {final_dir}: {exc.strerror or exc}", path=str(input_path)
-        ) from exc
+        raise output_error(f"cannot move {names.display(input_path)} to "
+                           f"{names.display(final_dir)}", exc, final_dir) from exc
     return dst
 
 
@@ -331,13 +372,22 @@ def _move_across(src: Path, dst: Path) -> bool:
     return placed
 
 
+def error_json_path(failed_path: Path) -> Path:
+    """``<name>.error.json`` beside a failed input: the safe form of its name, shortened
+    to fit ``NAME_MAX``."""
+    return failed_path.with_name(names.fit(names.display(failed_path.name), ".error.json"))
+
+
 def write_error_json(
     failed_path: Path, code: str, message: str, attempts: int, timestamps: dict[str, Any]
 ) -> Path:
-    """Write ``<name>.error.json`` beside a failed input (reason code, message, attempts)."""
-    path = failed_path.with_name(f"{failed_path.name}.error.json")
+    """Write ``<name>.error.json`` beside a failed input (reason code, message, attempts).
+
+    ``file`` is the display form of the input's name (``chandrad.names``).
+    """
+    path = error_json_path(failed_path)
     body = {
-        "file": failed_path.name,
+        "file": names.display(failed_path.name),
         "code": code,
         "message": message,
         "attempts": attempts,

@@ -19,6 +19,15 @@ accepted with: the input is re-hashed when the job starts or resumes and before 
 is moved, and a replaced file is queued as new content (the old job ends
 ``cancelled``/``input_replaced``). A job that cannot even be failed (say ``failed/``
 is not writable) is retried with exponential back-off, visible in ``status``.
+
+Outputs that cannot be written for an OS condition (disk full, read-only, quota,
+permission) put the job in the ``held`` state (``output_unwritable``) instead of
+failing it; it is retried on its own (``HOLD_RETRY_FIRST`` doubling to
+``HOLD_RETRY_MAX``) and its pages are not recomputed.
+
+The intake and dispatch loops run under ``chandrad.tasks`` supervision (wired by the
+daemon); they declare the item they work on, and :meth:`Pipeline.quarantine` moves
+an item that crashed a loop out of the way.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import glob
 import hashlib
 import os
@@ -37,13 +47,14 @@ from typing import Any
 
 import structlog
 
-from chandrad import model_files, ocr, outputs
+from chandrad import model_files, names, ocr, outputs
 from chandrad.config import Config, WatchConfig
 from chandrad.engine.profile import PIXELS_PER_IMAGE_TOKEN, estimate_prompt_tokens
 from chandrad.errors import (
     ChandradError,
     EngineUnavailable,
     InputError,
+    OutputUnwritable,
     RenderCrashed,
     RenderTimeout,
 )
@@ -51,6 +62,7 @@ from chandrad.interfaces import EngineHandle
 from chandrad.render import RenderedPage, RenderPool
 from chandrad.states import JobState, PageState
 from chandrad.store import Job, Store
+from chandrad.tasks import working_on
 
 log = structlog.get_logger("chandrad.pipeline")
 
@@ -65,6 +77,9 @@ MAX_FREE_RELEASES = 3
 #: not be moved to ``failed/``): first delay, doubled each time, up to the cap.
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 300.0
+#: Seconds before a held job (outputs unwritable) is tried again; doubles up to the max.
+HOLD_RETRY_FIRST = 5.0
+HOLD_RETRY_MAX = 60.0
 
 _Settled = tuple[int, Path, Path, int, float]  # watch index, root, path, size, mtime
 
@@ -114,7 +129,8 @@ def _hash_all(items: list[_Settled]) -> list[tuple[_Settled, str | None]]:
         try:
             out.append((item, sha256_file(item[2])))
         except OSError as exc:
-            log.warning("accept_skipped", file=str(item[2]), reason=str(exc))
+            log.warning("accept_skipped", file=names.display(item[2]),
+                        reason=names.text(str(exc)))
             out.append((item, None))
     return out
 
@@ -179,6 +195,7 @@ class Pipeline:
         self._active_paths: dict[int, Path] = {}
         self._backoff: dict[int, _Backoff] = {}
         self._patch_pixels: tuple[str, int] | None = None  # (model, pixels per image token)
+        self._held_retry: dict[int, tuple[float, float]] = {}  # job -> (due, delay), monotonic
         self._wake = asyncio.Event()
         self._intake: list[_Settled] = []
         self._intake_ready = asyncio.Event()
@@ -197,24 +214,33 @@ class Pipeline:
         self._intake.append((watch_index, root, path, size, mtime))
         self._intake_ready.set()
 
-    async def _intake_loop(self) -> None:
+    async def intake_loop(self) -> None:
         """Hash and accept settled files in batches: one transaction (one fsync) per batch,
-        so a backlog of thousands of files is queued in seconds."""
+        so a backlog of thousands of files is queued in seconds.
+
+        A batch leaves the queue only once accepted; an item that makes the loop raise
+        is named to the task supervisor, which quarantines it and restarts the loop.
+        """
         while True:
-            await self._intake_ready.wait()
-            self._intake_ready.clear()
+            if not self._intake:
+                await self._intake_ready.wait()
+                self._intake_ready.clear()
             while self._intake:
                 batch = self._intake[:INTAKE_BATCH]
-                del self._intake[:INTAKE_BATCH]
                 self._intake_busy = True
                 try:
                     # Hash what is new or changed; a file whose active job recorded the
                     # same size and mtime is that job's content (it re-hashes at start).
-                    fresh = [item for item in batch if not self._known(item)]
+                    fresh = []
+                    for item in batch:
+                        with working_on(item):
+                            if not self._known(item):
+                                fresh.append(item)
                     hashed = await asyncio.to_thread(_hash_all, fresh)
                     self._accept_batch(hashed)
                 finally:
                     self._intake_busy = False
+                del self._intake[:len(batch)]
 
     def _known(self, item: _Settled) -> bool:
         job = self.store.find_active(item[2])
@@ -222,32 +248,56 @@ class Pipeline:
 
     def _accept_batch(self, hashed: list[tuple[_Settled, str | None]]) -> None:
         by_policy: dict[str, list[tuple[int, Path, Path, int, float, str]]] = {}
-        for (index, root, path, size, mtime), digest in hashed:
+        settled: dict[Path, _Settled] = {}
+        for item, digest in hashed:
+            index, root, path, size, mtime = item
             if digest is None:
                 continue  # vanished or unreadable; a later event or rescan brings it back
+            settled[path] = item
             policy = self.config.watch[index].duplicates
             by_policy.setdefault(policy, []).append((index, root, path, size, mtime, digest))
         for policy, items in by_policy.items():
-            jobs = self.store.accept_many(items, policy)
+            try:
+                jobs = self.store.accept_many(items, policy)
+            except Exception:
+                # One item spoiled the batch's transaction: accept one by one, so the
+                # supervisor learns which item it was.
+                jobs = []
+                for one in items:
+                    with working_on(settled[one[2]]):
+                        job = self.store.accept(*one, duplicates=policy)
+                    if job is not None:
+                        jobs.append(job)
             for job in jobs:
-                log.info("job_accepted", job=job.id, file=str(job.abs_path), size=job.size,
-                         sha256=job.sha256)
+                log.info("job_accepted", job=job.id, file=names.display(job.abs_path),
+                         size=job.size, sha256=job.sha256)
             skipped = len(items) - len(jobs)
             if skipped and policy == "skip":
                 log.info("duplicates_skipped", count=skipped)
         self._wake.set()
 
-    # ------------------------------------------------------------ dispatch
-    async def run(self) -> None:
-        """Accept settled files and start jobs oldest first (resumed RUNNING jobs before
-        PENDING ones), until cancelled."""
-        intake = asyncio.create_task(self._intake_loop(), name="intake")
-        try:
-            await self._dispatch_loop()
-        finally:
-            intake.cancel()
+    # ------------------------------------------------------------ quarantine
+    def quarantine(self, item: Any, exc: BaseException) -> None:
+        """Move an item that crashed a supervised loop out of the way (``chandrad.tasks``):
+        a settled file (``(watch index, root, path, …)``) not yet a job goes to
+        ``failed/`` with ``intake_error``, so neither the restarted loop nor a restarted
+        daemon takes it again."""
+        reason = names.text(f"{type(exc).__name__}: {exc}")
+        index, root, path = item[0], item[1], item[2]
+        self._intake[:] = [i for i in self._intake if i[2] != path]
+        if not Path(path).exists():
+            log.warning("file_quarantine_gone", file=names.display(path), reason=reason)
+            return
+        final = outputs.move_to(self.config.watch[index].failed, root, path)
+        outputs.write_error_json(final, "intake_error", f"could not be accepted: {reason}", 0,
+                                 {"failed": time.time()})
+        log.error("file_quarantined", file=names.display(path), code="intake_error",
+                  reason=reason, moved_to=names.display(final))
 
-    async def _dispatch_loop(self) -> None:
+    # ------------------------------------------------------------ dispatch
+    async def dispatch_loop(self) -> None:
+        """Start jobs oldest first (resumed running jobs, then held jobs whose retry is
+        due, then pending ones), until cancelled."""
         while True:
             await self.dispatching.wait()
             self._start_jobs()
@@ -276,7 +326,9 @@ class Pipeline:
         if free <= 0:
             return
         now = time.monotonic()
-        exclude = set(self._active) | {i for i, b in self._backoff.items() if b.until > now}
+        exclude = (set(self._active) | {i for i, b in self._backoff.items() if b.until > now}
+                   | {j.id for j in self._held_jobs()
+                      if self._held_retry.get(j.id, (0.0, 0.0))[0] > now})
         busy = set(self._active_paths.values())
         roots = list(self._watches_by_root())
         for job in self.store.next_jobs(roots, exclude, free):
@@ -297,6 +349,11 @@ class Pipeline:
                     self._back_off(job_id, task.exception())
         self._wake.set()
 
+    def _held_jobs(self) -> list[Job]:
+        """Jobs in the ``held`` state (outputs unwritable); a held job found at start has
+        no retry time yet and is due at once."""
+        return self.store.list_jobs(JobState.HELD.value, limit=1000)
+
     def _back_off(self, job_id: int, exc: BaseException | None) -> None:
         """The job's run raised past its own error handling: retry it later, not now.
 
@@ -307,26 +364,31 @@ class Pipeline:
         delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1))
         reason = exc.message if isinstance(exc, ChandradError) else f"{type(exc).__name__}: {exc}"
         job = self.store.get(job_id)
-        self._backoff[job_id] = _Backoff(time.monotonic() + delay, failures, reason,
-                                         str(job.abs_path) if job else "")
+        self._backoff[job_id] = _Backoff(time.monotonic() + delay, failures, names.text(reason),
+                                         names.display(job.abs_path) if job else "")
         # Our own errors carry their reason; anything else is a bug: keep its traceback.
         log.error("job_stuck", job=job_id, failures=failures, retry_in_s=delay, error=reason,
                   exc_info=None if isinstance(exc, ChandradError) else exc)
 
     def held(self) -> dict[str, Any]:
         """Accepted jobs that are not being worked on, and why (for ``status``): their
-        watch is no longer configured, or they are backing off after an error that
-        left them unfinished."""
+        watch is no longer configured, they are backing off after an error that left
+        them unfinished, or their outputs cannot be written (``output_unwritable``)."""
         count, orphans = self.store.active_outside(list(self._watches_by_root()))
         now = time.monotonic()
         jobs: list[dict[str, Any]] = [{
-            "id": j.id, "file": str(j.abs_path), "reason": "watch_removed",
+            "id": j.id, "file": names.display(j.abs_path), "reason": "watch_removed",
             "message": f"no configured watch has input {j.input_root} any more; put it "
                        "back in the config and reload, or cancel the job"} for j in orphans]
         jobs += [{"id": job_id, "file": b.file, "reason": "backoff", "message": b.reason,
                   "failures": b.failures, "retry_in_s": round(max(0.0, b.until - now), 1)}
                  for job_id, b in sorted(self._backoff.items())]
-        return {"count": count + len(self._backoff), "jobs": jobs}
+        held = [j for j in self._held_jobs() if j.id not in self._active]
+        jobs += [{"id": j.id, "file": names.display(j.abs_path), "reason": j.error_code,
+                  "message": j.error_message,
+                  "retry_in_s": round(max(0.0, self._held_retry.get(j.id, (now, 0.0))[0]
+                                          - now), 1)} for j in held]
+        return {"count": count + len(self._backoff) + len(held), "jobs": jobs}
 
     @property
     def active_jobs(self) -> int:
@@ -334,9 +396,11 @@ class Pipeline:
 
     def idle(self) -> bool:
         """No accepted work left that can run (used by drain). Jobs held because their
-        watch was removed do not count: nothing but the operator can run them."""
+        watch was removed, or because their outputs cannot be written, do not count:
+        they may wait for the operator."""
+        held = {j.id for j in self._held_jobs()}
         return (not self._active and not self._intake and not self._intake_busy
-                and not self.store.next_jobs(list(self._watches_by_root()), (), 1))
+                and not self.store.next_jobs(list(self._watches_by_root()), held, 1))
 
     async def cancel_job(self, job_id: int) -> bool:
         task = self._active.get(job_id)
@@ -348,12 +412,13 @@ class Pipeline:
             if page.state is PageState.IN_FLIGHT:
                 self.store.release_page(job_id, page.index)
         self._backoff.pop(job_id, None)
+        self._held_retry.pop(job_id, None)
         job = self.store.get(job_id)
         if job is None or not self.store.cancel(job_id):
             return False
         watch = self._watch_for(job)
         if watch is None:
-            log.warning("job_cancelled_in_place", job=job.id, file=str(job.abs_path),
+            log.warning("job_cancelled_in_place", job=job.id, file=names.display(job.abs_path),
                         reason="its watch is no longer configured; the input is left there")
         elif job.abs_path.exists():
             final = outputs.move_to(watch.failed, job.input_root, job.abs_path)
@@ -368,10 +433,11 @@ class Pipeline:
         if job.final_path is not None and job.final_path.exists() and not job.abs_path.exists():
             job.abs_path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(job.final_path, job.abs_path)
-            error_json = job.final_path.with_name(job.final_path.name + ".error.json")
+            error_json = outputs.error_json_path(job.final_path)
             with contextlib.suppress(FileNotFoundError):
                 error_json.unlink()
         ok = self.store.retry(job.id)
+        self._held_retry.pop(job.id, None)
         self._wake.set()
         return ok
 
@@ -388,6 +454,9 @@ class Pipeline:
             return
         try:
             await self._run(job, watch, started)
+            self._held_retry.pop(job.id, None)
+        except OutputUnwritable as exc:
+            self._hold(job, exc)
         except InputError as exc:
             await self._fail_job(job, watch, exc.code, exc.message)
         except FileNotFoundError as exc:
@@ -395,12 +464,27 @@ class Pipeline:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one bad file must never stop the daemon
-            log.exception("job_crashed", job=job.id, file=str(job.abs_path))
+            log.exception("job_crashed", job=job.id, file=names.display(job.abs_path))
             await self._fail_job(job, watch, "internal_error", f"{type(exc).__name__}: {exc}")
         self._backoff.pop(job.id, None)
 
+    def _hold(self, job: Job, exc: OutputUnwritable) -> None:
+        """Outputs cannot be written for now: keep the job (and its input) and retry later.
+
+        An expected OS condition: one warning line (errno, path), no traceback.
+        """
+        _, delay = self._held_retry.get(job.id, (0.0, HOLD_RETRY_FIRST / 2))
+        delay = min(HOLD_RETRY_MAX, delay * 2)
+        self._held_retry[job.id] = (time.monotonic() + delay, delay)
+        self.store.set_job_state(job.id, JobState.HELD, error_code=exc.code,
+                                 error_message=exc.message)
+        code = exc.details.get("errno")
+        log.warning("job_held", job=job.id, file=names.display(job.path), code=exc.code,
+                    errno=errno.errorcode.get(code, code) if isinstance(code, int) else None,
+                    path=exc.details.get("path"), reason=exc.message, retry_in_s=delay)
+
     async def _run(self, job: Job, watch: WatchConfig, started: float) -> None:
-        if job.state is JobState.PENDING:
+        if job.state in (JobState.PENDING, JobState.HELD):
             self.store.set_job_state(job.id, JobState.RUNNING)
         if not job.abs_path.exists() and await self._complete_moved(job, watch, started):
             return
@@ -434,8 +518,8 @@ class Pipeline:
         if digest == job.sha256:
             return True
         new = self.store.supersede(job.id, size, mtime, digest, watch.duplicates)
-        log.warning("input_replaced", job=job.id, file=str(job.abs_path), old_sha256=job.sha256,
-                    sha256=digest, new_job=new.id if new else None)
+        log.warning("input_replaced", job=job.id, file=names.display(job.abs_path),
+                    old_sha256=job.sha256, sha256=digest, new_job=new.id if new else None)
         self._wake.set()
         return False
 
@@ -448,7 +532,8 @@ class Pipeline:
         moved = await asyncio.to_thread(_find_moved, job, intended)
         if moved is None:
             return False
-        log.info("job_move_recovered", job=job.id, file=str(job.abs_path), final=str(moved))
+        log.info("job_move_recovered", job=job.id, file=names.display(job.abs_path),
+                 final=names.display(moved))
         if _is_under(moved, watch.failed):
             outputs.write_error_json(moved, job.error_code or "internal_error",
                                      job.error_message or "", job.attempts,
@@ -607,9 +692,9 @@ class Pipeline:
         failed = sum(1 for p in pages if p.state is PageState.FAILED)
         truncated = sum(1 for p in page_outputs if p.truncated)
         out_dir = outputs.output_dir_for(watch.output, job.input_root, job.abs_path)
-        stem = job.abs_path.stem
+        stem = outputs.output_stem(job.abs_path)
         metadata = {
-            "source": str(job.path),
+            "source": names.display(job.path),
             "source_sha256": job.sha256,
             "model": self.engine.served_model_name,
             "engine": self.engine.snapshot().get("profile"),
@@ -625,10 +710,9 @@ class Pipeline:
         final = moved or self._move_input(job, watch.done)
         state = JobState.PARTIAL if failed else JobState.DONE
         self.store.set_job_state(job.id, state, output_dir=out_dir, final_path=final)
-        log.info("job_done", job=job.id, file=str(job.path), pages=len(pages),
+        log.info("job_done", job=job.id, file=names.display(job.path), pages=len(pages),
                  pages_failed=failed, pages_truncated=truncated, seconds=metadata["seconds"],
-                 state=state.value,
-                 output=str(out_dir))
+                 state=state.value, output=names.display(out_dir))
 
     def _move_input(self, job: Job, folder: Path, error_code: str | None = None,
                     error_message: str | None = None) -> Path:
@@ -643,6 +727,7 @@ class Pipeline:
 
     async def _fail_job(self, job: Job, watch: WatchConfig, code: str, message: str) -> None:
         final: Path | None = None
+        message = names.text(message)
         if job.abs_path.exists():
             with contextlib.suppress(OSError):  # unreadable: fail what is there
                 if not await self._same_content(job, watch):
@@ -652,7 +737,9 @@ class Pipeline:
                 "accepted": job.created_at, "failed": time.time()})
         self.store.set_job_state(job.id, JobState.FAILED, error_code=code,
                                  error_message=message, final_path=final)
-        log.error("job_failed", job=job.id, file=str(job.path), code=code, reason=message)
+        self._held_retry.pop(job.id, None)
+        log.error("job_failed", job=job.id, file=names.display(job.path), code=code,
+                  reason=message)
 
 
 def _reply_text(reply: dict[str, Any]) -> tuple[str, str | None]:

@@ -153,11 +153,27 @@ def _is_pdf(head: bytes) -> bool:
     return b"%PDF-" in head
 
 
+def _mupdf_open(path: Path) -> pymupdf.Document:
+    """``pymupdf.open`` by name; MuPDF takes names as UTF-8, so a name that is not
+    (undecodable bytes) is opened through ``/proc/self/fd`` of our own descriptor."""
+    import pymupdf
+
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return pymupdf.open(f"/proc/self/fd/{fd}", filetype="pdf")
+        finally:
+            os.close(fd)  # MuPDF holds its own descriptor
+    return pymupdf.open(path, filetype="pdf")
+
+
 def _open_pdf(path: Path) -> pymupdf.Document:
     import pymupdf
 
     try:
-        doc = pymupdf.open(path, filetype="pdf")
+        doc = _mupdf_open(path)
     except pymupdf.EmptyFileError as exc:
         raise EmptyInput(f"{path.name}: file is empty") from exc
     except Exception as exc:  # MuPDF raises FileDataError and plain RuntimeErrors

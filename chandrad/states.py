@@ -80,12 +80,19 @@ class JobState(StrEnum):
     PARTIAL = "partial"  # finished, some pages failed
     FAILED = "failed"
     CANCELLED = "cancelled"
+    #: Its outputs could not be written for an OS condition (disk full, read-only…):
+    #: the input stays accepted and the job is retried on its own (``output_unwritable``).
+    HELD = "held"
 
 
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RUNNING: frozenset(
-        {JobState.DONE, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED, JobState.PENDING}
+        {JobState.DONE, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED, JobState.PENDING,
+         JobState.HELD}
+    ),
+    JobState.HELD: frozenset(
+        {JobState.RUNNING, JobState.PENDING, JobState.FAILED, JobState.CANCELLED}
     ),
     JobState.DONE: frozenset(),
     JobState.PARTIAL: frozenset(),
@@ -94,6 +101,8 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 JOB_FINISHED = frozenset({JobState.DONE, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED})
 JOB_ACTIVE = frozenset({JobState.PENDING, JobState.RUNNING})
+#: Accepted and not finished: the input is still in the watched folder.
+JOB_OPEN = frozenset({JobState.PENDING, JobState.RUNNING, JobState.HELD})
 
 
 class PageState(StrEnum):

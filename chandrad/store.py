@@ -14,7 +14,13 @@ Threading: one :class:`Store` holds one connection and must be used from one
 thread, the daemon's event-loop thread (sqlite3 enforces it). Calls are short
 (sub-millisecond plus one fsync), so they run inline on the loop.
 
-Must not import any other chandrad adapter or service (only ``errors``, ``states``).
+Paths (``input_root``, ``path``, ``abs_path``, ``output_dir``, ``final_path``) are
+stored as their exact bytes (BLOB), so a name that is not valid UTF-8 is kept
+losslessly; ``Job.to_dict`` gives their display form (``chandrad.names``). Free text
+(error messages) is stored with undecodable bytes escaped.
+
+Must not import any other chandrad adapter or service (only the leaves ``errors``,
+``names``, ``states``).
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chandrad import names
 from chandrad.errors import InternalError, StateDirInUse
 from chandrad.states import (
-    JOB_ACTIVE,
     JOB_FINISHED,
+    JOB_OPEN,
     JOB_TRANSITIONS,
     PAGE_TRANSITIONS,
     JobState,
@@ -101,6 +108,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE INDEX jobs_by_root ON jobs (input_root, state);
     """,
+    # 3: paths as exact bytes (BLOB), so names that are not valid UTF-8 fit (issue 8).
+    """
+    UPDATE jobs SET input_root = CAST(input_root AS BLOB), path = CAST(path AS BLOB),
+        abs_path = CAST(abs_path AS BLOB), output_dir = CAST(output_dir AS BLOB),
+        final_path = CAST(final_path AS BLOB)
+    """,
 )
 
 _JOB_COLUMNS = """
@@ -148,9 +161,9 @@ class Job:
         return {
             "id": self.id,
             "watch_index": self.watch_index,
-            "input_root": str(self.input_root),
-            "path": str(self.path),
-            "abs_path": str(self.abs_path),
+            "input_root": names.display(self.input_root),
+            "path": names.display(self.path),
+            "abs_path": names.display(self.abs_path),
             "size": self.size,
             "mtime": self.mtime,
             "sha256": self.sha256,
@@ -165,8 +178,8 @@ class Job:
             "updated_at": self.updated_at,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
-            "output_dir": str(self.output_dir) if self.output_dir else None,
-            "final_path": str(self.final_path) if self.final_path else None,
+            "output_dir": names.display(self.output_dir) if self.output_dir else None,
+            "final_path": names.display(self.final_path) if self.final_path else None,
         }
 
 
@@ -380,8 +393,8 @@ class Store:
         now = time.time()
         active = c.execute(
             "SELECT id, state, sha256 FROM jobs WHERE abs_path = ? AND state IN "
-            "('pending', 'running') ORDER BY id",
-            (str(abs_path),),
+            "('pending', 'running', 'held') ORDER BY id",
+            (names.fsbytes(abs_path),),
         ).fetchall()
         for job_id, state, known_hash in active:
             if known_hash == sha256:
@@ -401,15 +414,15 @@ class Store:
             # transaction) or while the first is queued are the same work.
             seen = c.execute(
                 "SELECT 1 FROM jobs WHERE sha256 = ? AND state IN ('pending', 'running', "
-                "'done') LIMIT 1", (sha256,)
+                "'held', 'done') LIMIT 1", (sha256,)
             ).fetchone()
             if seen is not None:
                 return None
         cur = c.execute(
             "INSERT INTO jobs (watch_index, input_root, path, abs_path, size, mtime, sha256, "
             "state, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-            (watch_index, str(input_root), str(rel), str(abs_path), size, mtime, sha256,
-             now, now),
+            (watch_index, names.fsbytes(input_root), names.fsbytes(rel),
+             names.fsbytes(abs_path), size, mtime, sha256, now, now),
         )
         return cur.lastrowid
 
@@ -427,7 +440,7 @@ class Store:
             if row is None:
                 raise InternalError(f"job {job_id} does not exist", job=job_id)
             watch_index, input_root, abs_path, state = row
-            if JobState(state) in JOB_ACTIVE:
+            if JobState(state) in JOB_OPEN:
                 now = time.time()
                 c.execute(
                     "UPDATE jobs SET state = 'cancelled', error_code = 'input_replaced', "
@@ -437,26 +450,28 @@ class Store:
                      now, now, job_id))
                 c.execute("UPDATE pages SET state = 'pending', started_at = NULL "
                           "WHERE job_id = ? AND state = 'in_flight'", (job_id,))
-            new_id = self._accept_one(watch_index, Path(input_root), Path(abs_path), size,
-                                      mtime, sha256, duplicates)
+            new_id = self._accept_one(watch_index, Path(names.from_bytes(input_root)),
+                                      Path(names.from_bytes(abs_path)), size, mtime, sha256,
+                                      duplicates)
         return None if new_id is None else self.get(new_id)
 
     def next_jobs(self, roots: Collection[Path], exclude: Collection[int],
                   limit: int) -> list[Job]:
-        """Jobs to start, at most ``limit``: resumed ``running`` ones first, then
-        ``pending``, each oldest first; only those whose ``input_root`` is in ``roots``
-        (a configured watch) and whose id is not in ``exclude``."""
+        """Jobs to start, at most ``limit``: resumed ``running`` ones first, then ``held``
+        ones (the caller excludes those not due), then ``pending``, each oldest first; only
+        those whose ``input_root`` is in ``roots`` (a configured watch) and whose id is
+        not in ``exclude``."""
         if limit <= 0 or not roots:
             return []
         root_marks = ", ".join("?" * len(roots))
         id_marks = ", ".join("?" * len(exclude))
         out: list[Job] = []
-        for state in (JobState.RUNNING, JobState.PENDING):
+        for state in (JobState.RUNNING, JobState.HELD, JobState.PENDING):
             rows = self._conn.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.state = ? "
                 f"AND j.input_root IN ({root_marks}) AND j.id NOT IN ({id_marks}) "
                 "ORDER BY j.id LIMIT ?",
-                (state.value, *(str(r) for r in roots), *exclude, limit - len(out)),
+                (state.value, *(names.fsbytes(r) for r in roots), *exclude, limit - len(out)),
             ).fetchall()
             out += [_job(r) for r in rows]
             if len(out) >= limit:
@@ -464,14 +479,14 @@ class Store:
         return out
 
     def active_outside(self, roots: Collection[Path], limit: int = 20) -> tuple[int, list[Job]]:
-        """Pending and running jobs whose ``input_root`` is not in ``roots`` (their watch
-        is no longer configured): how many, and the oldest ``limit`` of them."""
-        known = {str(r) for r in roots}
+        """Pending, running and held jobs whose ``input_root`` is not in ``roots`` (their
+        watch is no longer configured): how many, and the oldest ``limit`` of them."""
+        known = {names.fsbytes(r) for r in roots}
         gone = [r for r in self._roots_with_active_jobs() if r not in known]
         if not gone:
             return 0, []
         where = (f"j.input_root IN ({', '.join('?' * len(gone))}) "
-                 "AND j.state IN ('pending', 'running')")
+                 "AND j.state IN ('pending', 'running', 'held')")
         count = self._conn.execute(f"SELECT COUNT(*) FROM jobs j WHERE {where}",
                                    gone).fetchone()[0]
         rows = self._conn.execute(
@@ -479,11 +494,11 @@ class Store:
             (*gone, limit)).fetchall()
         return int(count), [_job(r) for r in rows]
 
-    def _roots_with_active_jobs(self) -> list[str]:
-        """Distinct ``input_root`` of pending/running jobs: one index probe per input
-        folder ever used (a handful), not a scan of the backlog."""
-        out: list[str] = []
-        root = ""
+    def _roots_with_active_jobs(self) -> list[bytes]:
+        """Distinct ``input_root`` (bytes) of pending/running/held jobs: one index probe
+        per input folder ever used (a handful), not a scan of the backlog."""
+        out: list[bytes] = []
+        root = b""
         while True:
             row = self._conn.execute(
                 "SELECT input_root FROM jobs INDEXED BY jobs_by_root WHERE input_root > ? "
@@ -493,7 +508,8 @@ class Store:
             root = row[0]
             if self._conn.execute(
                     "SELECT 1 FROM jobs INDEXED BY jobs_by_root WHERE input_root = ? "
-                    "AND state IN ('pending', 'running') LIMIT 1", (root,)).fetchone():
+                    "AND state IN ('pending', 'running', 'held') LIMIT 1",
+                    (root,)).fetchone():
                 out.append(root)
 
     def get(self, job_id: int) -> Job | None:
@@ -504,11 +520,11 @@ class Store:
         return None if row is None else _job(row)
 
     def find_active(self, abs_path: Path) -> Job | None:
-        """The pending or running job for this input path, if any."""
+        """The pending, running or held job for this input path, if any."""
         row = self._conn.execute(
             f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.abs_path = ? "
-            "AND j.state IN ('pending', 'running') ORDER BY j.id LIMIT 1",
-            (str(abs_path),),
+            "AND j.state IN ('pending', 'running', 'held') ORDER BY j.id LIMIT 1",
+            (names.fsbytes(abs_path),),
         ).fetchone()
         return None if row is None else _job(row)
 
@@ -550,8 +566,9 @@ class Store:
     ) -> None:
         """Move a job along a legal edge of ``JOB_TRANSITIONS``; others raise InternalError.
 
-        Entering ``running`` counts an attempt and stamps ``started_at``; entering a
-        finished state stamps ``finished_at``; going back to ``pending`` clears the error.
+        Entering ``running`` counts an attempt, stamps ``started_at`` and clears the
+        error (left by a hold); entering a finished state stamps ``finished_at``; going
+        back to ``pending`` clears the error.
         ``state`` equal to the current state is no transition: only the keyword fields
         are updated. Keyword values that are ``None`` leave the stored value as it is.
         """
@@ -566,7 +583,8 @@ class Store:
             if old is state:
                 pass
             elif state is JobState.RUNNING:
-                sets += ["attempts = attempts + 1", "started_at = ?", "finished_at = NULL"]
+                sets += ["attempts = attempts + 1", "started_at = ?", "finished_at = NULL",
+                         "error_code = NULL", "error_message = NULL"]
                 args.append(now)
             elif state in JOB_FINISHED:
                 sets.append("finished_at = ?")
@@ -578,7 +596,7 @@ class Store:
                                   ("final_path", final_path)):
                 if value is not None:
                     sets.append(f"{column} = ?")
-                    args.append(str(value) if isinstance(value, Path) else value)
+                    args.append(_param(value))
             c.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))
 
     def _job_state(self, job_id: int) -> JobState:
@@ -621,10 +639,10 @@ class Store:
         return True
 
     def cancel(self, job_id: int) -> bool:
-        """Cancel a pending or running job; False when it does not exist or already ended."""
+        """Cancel a pending, running or held job; False when it does not exist or already ended."""
         with self._tx() as c:
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if row is None or JobState(row[0]) not in JOB_ACTIVE:
+            if row is None or JobState(row[0]) not in JOB_OPEN:
                 return False
             now = time.time()
             c.execute(
@@ -635,8 +653,9 @@ class Store:
             return True
 
     def counts(self) -> dict[str, int]:
-        """Jobs per state: pending, active (= running), done, failed, partial, cancelled."""
-        out = {"pending": 0, "active": 0, "done": 0, "failed": 0, "partial": 0, "cancelled": 0}
+        """Jobs per state: pending, active (= running), held, done, failed, partial, cancelled."""
+        out = {"pending": 0, "active": 0, "held": 0, "done": 0, "failed": 0, "partial": 0,
+               "cancelled": 0}
         for state, n in self._conn.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
             out["active" if state == JobState.RUNNING else state] = n
         return out
@@ -694,7 +713,7 @@ class Store:
         seconds: float,
     ) -> None:
         """``in_flight -> done``, storing the parsed result so a restart never recomputes it."""
-        payload = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+        payload = names.text(json.dumps(result, ensure_ascii=False, separators=(",", ":")))
         with self._tx() as c:
             self._check_page(job_id, index, PageState.DONE)
             c.execute(
@@ -710,7 +729,7 @@ class Store:
             c.execute(
                 "UPDATE pages SET state = 'failed', error = ?, finished_at = ? "
                 "WHERE job_id = ? AND page_index = ?",
-                (error, time.time(), job_id, index),
+                (names.text(error), time.time(), job_id, index),
             )
 
     def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
@@ -780,15 +799,28 @@ def _statements(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
 
 
+def _param(value: Any) -> Any:
+    """A value as stored: paths as their exact bytes, text with undecodable bytes escaped."""
+    if isinstance(value, Path):
+        return names.fsbytes(value)
+    if isinstance(value, str):
+        return names.text(value)
+    return value
+
+
+def _path(raw: bytes | str | None) -> Path | None:
+    return Path(names.from_bytes(raw)) if raw else None
+
+
 def _job(row: tuple[Any, ...]) -> Job:
     return Job(
-        id=row[0], watch_index=row[1], input_root=Path(row[2]), path=Path(row[3]),
-        abs_path=Path(row[4]), size=row[5], mtime=row[6], sha256=row[7],
+        id=row[0], watch_index=row[1], input_root=Path(names.from_bytes(row[2])),
+        path=Path(names.from_bytes(row[3])), abs_path=Path(names.from_bytes(row[4])),
+        size=row[5], mtime=row[6], sha256=row[7],
         state=JobState(row[8]), pages_total=row[9], attempts=row[10], error_code=row[11],
         error_message=row[12], created_at=row[13], updated_at=row[14], started_at=row[15],
-        finished_at=row[16], output_dir=Path(row[17]) if row[17] else None,
-        final_path=Path(row[18]) if row[18] else None, pages_done=row[19],
-        pages_failed=row[20],
+        finished_at=row[16], output_dir=_path(row[17]), final_path=_path(row[18]),
+        pages_done=row[19], pages_failed=row[20],
     )
 
 

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 _log = logging.getLogger(__name__)
 
@@ -146,15 +146,20 @@ class Notifier:
 
 
 class WatchdogPinger:
-    """Pings ``WATCHDOG=1`` each interval, but only if :meth:`progress` was called since the last.
+    """Pings ``WATCHDOG=1`` each interval, but only if :meth:`progress` was called since the
+    last and ``healthy()`` holds.
 
     The daemon's main loop calls ``progress()`` each time round; a loop that is stuck
     (or blocked) stops calling it, the pings stop, and systemd's ``WatchdogSec=`` fires.
+    ``healthy`` is the task supervisor's verdict: a long-lived task that stays dead
+    stops the pings too, so systemd restarts the service.
     """
 
-    def __init__(self, notifier: Notifier, *, interval: float | None = None) -> None:
+    def __init__(self, notifier: Notifier, *, interval: float | None = None,
+                 healthy: Callable[[], bool] | None = None) -> None:
         self._notifier = notifier
         self._interval = interval if interval is not None else notifier.watchdog_interval()
+        self._healthy = healthy
         self._progressed = False
         self.pings = 0
 
@@ -172,6 +177,8 @@ class WatchdogPinger:
             return
         while True:
             await asyncio.sleep(self._interval)
+            if self._healthy is not None and not self._healthy():
+                continue
             if self._progressed:
                 self._progressed = False
                 self._notifier.watchdog()

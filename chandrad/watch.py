@@ -52,7 +52,9 @@ from watchdog.observers.api import BaseObserver
 from watchdog.observers.inotify import InotifyObserver
 from watchdog.observers.polling import PollingObserverVFS
 
+from chandrad import names
 from chandrad.config import WatchConfig
+from chandrad.tasks import working_on
 
 log = structlog.get_logger(__name__)
 
@@ -451,26 +453,32 @@ class FolderWatcher:
         probes = await asyncio.to_thread(self._probe_many, [(i, p) for p, i, _ in due])
         now = time.monotonic()
         for (path, index, gen), probe in zip(due, probes, strict=True):
-            t = self._tracked.get(path)
-            if t is None or t.gen != gen or self._stopped:
-                continue  # an event arrived while probing: wait for quiet again
-            if probe is None:
-                del self._tracked[path]  # gone, or not a candidate after all
-                continue
-            if probe.sig != t.sig:
-                if t.sig is not None:
-                    t.last_event = now  # changed without an event (polling lag)
-                t.sig, t.changed_at = probe.sig, now
-                continue
-            r = self._roots[index]
-            grace = max(INCOMPLETE_GRACE_MIN, INCOMPLETE_GRACE_FACTOR * r.cfg.settle_seconds)
-            if not probe.complete and now - t.changed_at < grace:
-                continue
-            del self._tracked[path]
-            if r.reported.get(path) == probe.sig:
-                continue
-            r.reported[path] = probe.sig
-            self._emit(SettledFile(index, r.root, path, probe.sig.size, probe.mtime))
+            with working_on((index, self._roots[index].root, path)):
+                self._settled_probe(path, index, gen, probe, now)
+
+    def _settled_probe(self, path: Path, index: int, gen: int, probe: _Probe | None,
+                       now: float) -> None:
+        """One probed candidate: still changing, still incomplete, or settled (emitted)."""
+        t = self._tracked.get(path)
+        if t is None or t.gen != gen or self._stopped:
+            return  # an event arrived while probing: wait for quiet again
+        if probe is None:
+            del self._tracked[path]  # gone, or not a candidate after all
+            return
+        if probe.sig != t.sig:
+            if t.sig is not None:
+                t.last_event = now  # changed without an event (polling lag)
+            t.sig, t.changed_at = probe.sig, now
+            return
+        r = self._roots[index]
+        grace = max(INCOMPLETE_GRACE_MIN, INCOMPLETE_GRACE_FACTOR * r.cfg.settle_seconds)
+        if not probe.complete and now - t.changed_at < grace:
+            return
+        del self._tracked[path]
+        if r.reported.get(path) == probe.sig:
+            return
+        r.reported[path] = probe.sig
+        self._emit(SettledFile(index, r.root, path, probe.sig.size, probe.mtime))
 
     def _probe_many(self, items: Iterable[tuple[int, Path]]) -> list[_Probe | None]:
         """Worker thread: stat and sniff each file; touches no shared state."""
@@ -491,7 +499,7 @@ class FolderWatcher:
         try:
             self._on_settled(settled)
         except Exception:
-            log.exception("watch_callback_error", file=str(settled.path))
+            log.exception("watch_callback_error", file=names.display(settled.path))
 
     # -- observers -------------------------------------------------------------------
 
@@ -624,7 +632,8 @@ def _collect(r: _Root, top: Path) -> list[tuple[Path, _Sig, float]]:
             with os.scandir(directory) as it:
                 entries = list(it)
         except OSError as exc:
-            log.warning("watch_scan_error", watch=r.index, dir=str(directory), error=str(exc))
+            log.warning("watch_scan_error", watch=r.index, dir=names.display(directory),
+                        error=names.text(str(exc)))
             continue
         for entry in entries:
             if ignored(entry.name, r.cfg.ignore):

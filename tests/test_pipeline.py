@@ -37,6 +37,7 @@ from chandrad.pipeline import Pipeline, sha256_file
 from chandrad.render import RenderPool
 from chandrad.states import EngineState, JobState, PageState
 from chandrad.store import Job, Store
+from chandrad.tasks import TaskSupervisor
 
 MODEL = "standin"
 
@@ -255,16 +256,20 @@ async def running(config: Config, store: Store | None = None,
     pool = RenderPool(config.ocr.render_workers, timeout=render_timeout)
     pipeline = Pipeline(config, store, engine, pool)
     engine_task = asyncio.create_task(engine.run())
-    pipeline_task = asyncio.create_task(pipeline.run())
+    tasks = TaskSupervisor()
+    tasks.start("intake", pipeline.intake_loop, quarantine=pipeline.quarantine)
+    tasks.start("dispatch", pipeline.dispatch_loop, quarantine=pipeline.quarantine)
     run = Running(pipeline, store, engine, pool)
     try:
         await run.wait("the engine", lambda: engine.state is EngineState.READY, 30)
         yield run
     finally:
         # Python 3.11's wait_for can swallow a cancel that races its timeout: insist.
-        while not pipeline_task.done():
-            pipeline_task.cancel()
-            await asyncio.wait({pipeline_task}, timeout=1.0)
+        for name in ("intake", "dispatch"):
+            runner = tasks.runner(name)
+            while runner is not None and not runner.done():
+                runner.cancel()
+                await asyncio.wait({runner}, timeout=1.0)
         for task in list(pipeline._active.values()):
             task.cancel()
         await asyncio.gather(*pipeline._active.values(), return_exceptions=True)

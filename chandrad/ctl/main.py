@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("status", "daemon, engine, queue, throughput, GPU and last failure")
     command("queue", "jobs with state, pages, attempts and error").add_argument(
-        "--state", choices=("pending", "running", "done", "partial", "failed", "cancelled"))
+        "--state", choices=("pending", "running", "held", "done", "partial", "failed",
+                            "cancelled"))
     command("pause", "stop dispatching new pages (in-flight pages finish)")
     command("resume", "dispatch pages again")
     command("drain", "finish accepted work, accept no new files").add_argument(

@@ -117,7 +117,8 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
     if engine.get("fatal_reason"):
         summary.rows.append(("fatal", text(engine.get("fatal_reason"))))
     summary.rows.append(("queue", "  ".join(
-        f"{k} {text(queue.get(k, 0))}" for k in ("pending", "active", "done", "failed"))))
+        f"{k} {text(queue.get(k, 0))}" for k in ("pending", "active", "held", "done", "failed")
+        if k != "held" or queue.get(k))))
     held = r.get("held") or {}
     for job in (held.get("jobs") or [])[:10]:
         if isinstance(job, dict):
@@ -135,8 +136,26 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
             for c in changes if isinstance(c, dict)
         ]
         blocks.append(Block("profile changes", change_rows, ("at", "class", "reason", "changes")))
+    blocks.extend(task_blocks(r))
     blocks.extend(gpu_blocks({"gpus": r.get("gpus") or []}))
     return blocks
+
+
+def task_blocks(r: dict[str, Any]) -> list[Block]:
+    """The daemon's supervised tasks: one line when all run clean, a table otherwise."""
+    tasks = [t for t in r.get("tasks") or [] if isinstance(t, dict)]
+    degraded = (r.get("daemon") or {}).get("degraded") or []
+    if not tasks:
+        return []
+    if not degraded:
+        return [Block("tasks", [("tasks", f"all {len(tasks)} running")])]
+    rows: list[Row] = [
+        (text(t.get("name")), text(t.get("state")), text(t.get("restarts")),
+         text(t.get("last_error")), text(t.get("last_item")))
+        for t in tasks if t.get("name") in degraded
+    ]
+    return [Block(f"DEGRADED tasks: {', '.join(map(str, degraded))}", rows,
+                  ("task", "state", "restarts", "last error", "item"))]
 
 
 def gpu_blocks(r: dict[str, Any]) -> list[Block]:
