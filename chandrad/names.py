@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 from pathlib import PurePath
+from typing import Any
 
 #: Longest file name (bytes) on Linux filesystems (ext4, xfs, btrfs, tmpfs).
 NAME_MAX = 255
@@ -40,6 +41,18 @@ def text(value: str) -> str:
     For free text that may quote a file name (error messages): newlines are kept.
     """
     return _SURROGATE.sub(_hex, value) if _SURROGATE.search(value) else value
+
+
+def clean(value: Any) -> Any:
+    """``value`` (JSON-like: dicts, lists, strings…) with :func:`text` applied to every
+    string, keys included, so that ``json.dumps(..., ensure_ascii=False)`` encodes."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, dict):
+        return {clean(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
 
 
 def display(name: str | PurePath) -> str:

@@ -107,7 +107,7 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def _json_bytes(obj: Any) -> bytes:
-    return names.text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return (json.dumps(names.clean(obj), indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def output_stem(input_path: Path) -> str:

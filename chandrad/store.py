@@ -713,7 +713,7 @@ class Store:
         seconds: float,
     ) -> None:
         """``in_flight -> done``, storing the parsed result so a restart never recomputes it."""
-        payload = names.text(json.dumps(result, ensure_ascii=False, separators=(",", ":")))
+        payload = json.dumps(names.clean(result), ensure_ascii=False, separators=(",", ":"))
         with self._tx() as c:
             self._check_page(job_id, index, PageState.DONE)
             c.execute(

@@ -281,7 +281,7 @@ def test_retry_all_failed_and_cancel(store: Store) -> None:
     store.set_job_state(ids[1], JobState.FAILED)
     assert store.cancel(ids[2]) is True
     assert store.cancel(ids[2]) is False
-    assert store.counts() == {"pending": 1, "active": 0, "done": 0, "failed": 2,
+    assert store.counts() == {"pending": 1, "active": 0, "held": 0, "done": 0, "failed": 2,
                               "partial": 0, "cancelled": 1}
     assert store.retry_all_failed() == 2
     assert store.counts()["pending"] == 3
@@ -289,6 +289,25 @@ def test_retry_all_failed_and_cancel(store: Store) -> None:
     assert len(store.list_jobs()) == 4
     with pytest.raises(ValueError):
         store.list_jobs("finished")
+
+
+def test_held_job_stays_open_and_resumes(store: Store) -> None:
+    """A held job (outputs unwritable) still owns its input: the same file is not queued
+    again; running again clears the hold's error; it can be cancelled."""
+    root = Path("/in")
+    job = store.accept(0, root, Path("held.pdf"), 1, 0.0, "a" * 64)
+    assert job is not None
+    store.set_job_state(job.id, JobState.RUNNING)
+    store.set_job_state(job.id, JobState.HELD, error_code="output_unwritable",
+                        error_message="disk full")
+    assert store.counts()["held"] == 1
+    assert store.find_active(root / "held.pdf") is not None
+    assert store.accept(0, root, Path("held.pdf"), 1, 0.0, "a" * 64) is None
+    store.set_job_state(job.id, JobState.RUNNING)
+    again = store.get(job.id)
+    assert again is not None and again.error_code is None and again.attempts == 2
+    store.set_job_state(job.id, JobState.HELD, error_code="output_unwritable")
+    assert store.cancel(job.id) is True
 
 
 def test_pages_done_since(store: Store) -> None:
