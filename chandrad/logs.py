@@ -67,6 +67,9 @@ class Event(StrEnum):
     CONFIG_RELOAD_REFUSED = "config_reload_refused"
     JOB_CRASHED = "job_crashed"
     ENGINE_FATAL = "engine_fatal"
+    TASK_CRASHED = "task_crashed"
+    JOB_HELD = "job_held"
+    FILE_QUARANTINED = "file_quarantined"
 
 
 #: One fixed 128-bit id per event (``journalctl MESSAGE_ID=…``); docs/systemd.md's table is
@@ -96,6 +99,9 @@ MESSAGE_IDS: dict[Event, str] = {
     Event.CONFIG_RELOAD_REFUSED: "c6169f124ade47a89d4a4f2d52dde5bb",
     Event.JOB_CRASHED: "544a9b308fa04f22980b4ccd38e6f9a3",
     Event.ENGINE_FATAL: "0d89ab15d1054f90bab0aa0c780bf13c",
+    Event.TASK_CRASHED: "e6102e2a9ac14c43b132a453b3f8f774",
+    Event.JOB_HELD: "5ab98aa6b1f14341a950822e80f2d5b7",
+    Event.FILE_QUARANTINED: "b28f3e87a020478b949d42dec33881a0",
 }
 
 #: syslog priorities (``PRIORITY=``) of structlog/stdlib level names.
