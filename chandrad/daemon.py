@@ -188,7 +188,8 @@ class Daemon:
         self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
         await self.watcher.start()
         pipeline = self.pipeline
-        self.tasks.start("engine", self.engine.run)
+        # A flag verdict (a config error) from the engine task ends the daemon (exit 78).
+        self.tasks.start("engine", self.engine.run, stop_on=(ConfigError,))
         self.tasks.start("intake", pipeline.intake_loop, quarantine=pipeline.quarantine,
                          describe=_describe_item)
         self.tasks.start("dispatch", pipeline.dispatch_loop, quarantine=pipeline.quarantine,
@@ -252,6 +253,8 @@ class Daemon:
                 command = await asyncio.wait_for(self._commands.get(), timeout=TICK)
             except TimeoutError:
                 command = None
+            if self.tasks.fatal is not None:
+                raise self.tasks.fatal
             task = self._reload_task  # one-shot, not supervised: its crash is a bug
             if task is not None and task.done() and not task.cancelled() \
                     and task.exception() is not None:

@@ -86,6 +86,7 @@ class _Task:
     last_item: str | None = None
     crashes: list[float] = field(default_factory=list)  # monotonic times
     finishing: bool = False  # let_finish(): a return now ends supervision
+    stop_on: tuple[type[BaseException], ...] = ()
     runner: asyncio.Task[None] | None = None
 
     def snapshot(self) -> dict[str, Any]:
@@ -107,18 +108,23 @@ class TaskSupervisor:
         self._backoff_max = backoff_max
         self._give_up_after = give_up_after
         self._give_up_window = give_up_window
+        #: An exception of a task's ``stop_on`` types: the daemon must stop with it.
+        self.fatal: BaseException | None = None
 
     def start(self, name: str, factory: Callable[[], Awaitable[None]], *,
-              quarantine: Quarantine | None = None, describe: Describe = repr) -> None:
+              quarantine: Quarantine | None = None, describe: Describe = repr,
+              stop_on: tuple[type[BaseException], ...] = ()) -> None:
         """Run ``factory()`` as the supervised task ``name`` (replacing one of that name).
 
         ``quarantine(item, exc)`` is called after a crash with the item the loop
-        declared; ``describe(item)`` gives the item's text for logs and status.
+        declared; ``describe(item)`` gives the item's text for logs and status. An
+        exception of a ``stop_on`` type is not a crash but the task's verdict that the
+        daemon must stop (a config error): it is kept in :attr:`fatal`, not restarted.
         """
         old = self._tasks.get(name)
         if old is not None and old.runner is not None:
             old.runner.cancel()
-        task = _Task(name, factory, quarantine, describe)
+        task = _Task(name, factory, quarantine, describe, stop_on=stop_on)
         self._tasks[name] = task
         task.runner = asyncio.create_task(self._supervise(task), name=name)
 
@@ -176,6 +182,12 @@ class TaskSupervisor:
                                                     "the daemon stops")
             except asyncio.CancelledError:
                 raise
+            except task.stop_on as exc:
+                task.state, task.last_error = "stopped", f"{type(exc).__name__}: {exc}"
+                self.fatal = exc
+                if self._on_change is not None:
+                    self._on_change()
+                return
             except Exception as exc:
                 error = exc
             if time.monotonic() - started >= STABLE_AFTER:
