@@ -168,6 +168,13 @@ class ControlConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    #: ``host:port`` for Prometheus' ``/metrics``; "" = off. Loopback by default: the
+    #: exposition names the model and queue sizes, and has no authentication.
+    listen: str = "127.0.0.1:9478"
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     daemon: DaemonConfig
@@ -175,6 +182,7 @@ class Config:
     ocr: OcrConfig
     engine: EngineConfig
     control: ControlConfig
+    metrics: MetricsConfig = MetricsConfig()
 
     def control_socket(self) -> Path:
         """SPEC §2: ``$RUNTIME_DIRECTORY/control.sock`` under systemd, else the config's."""
@@ -364,7 +372,7 @@ def parse_config(text: str, path: Path) -> Config:
         return _Reader(table, prefix, problems, loc, file)
 
     top = reader(raw, "")
-    for section in ("daemon", "watch", "ocr", "engine", "control"):
+    for section in ("daemon", "watch", "ocr", "engine", "control", "metrics"):
         top.seen.add(section)
     top.finish()
 
@@ -375,11 +383,12 @@ def parse_config(text: str, path: Path) -> Config:
     engine = _engine(reader(engine_raw, "engine"), reader, engine_raw if isinstance(
         engine_raw, dict) else {})
     control = _control(reader(raw.get("control", {}), "control"), base, daemon)
+    metrics = _metrics(reader(raw.get("metrics", {}), "metrics"))
     _cross_checks(watches, problems, loc, file)
     if problems:
         raise ConfigError(problems)
     return Config(path=path, daemon=daemon, watch=tuple(watches), ocr=ocr, engine=engine,
-                  control=control)
+                  control=control, metrics=metrics)
 
 
 def _daemon(r: _Reader, base: Path) -> DaemonConfig:
@@ -578,6 +587,19 @@ def _control(r: _Reader, base: Path, daemon: DaemonConfig) -> ControlConfig:
     )
     r.finish()
     return cfg
+
+
+def _metrics(r: _Reader) -> MetricsConfig:
+    d = MetricsConfig()
+    listen = r.get("listen", (str,), d.listen)
+    if listen:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            r.problem("listen", f"{listen!r} is not host:port (\"\" turns metrics off)",
+                      "config_invalid")
+            listen = d.listen
+    r.finish()
+    return MetricsConfig(listen=listen)
 
 
 def _covers(root: Path, recursive: bool, target: Path) -> bool:

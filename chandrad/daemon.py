@@ -39,6 +39,7 @@ from chandrad.errors import (
     StateDirInUse,
 )
 from chandrad.logs import configure_logging
+from chandrad.metrics import Metrics, MetricsServer, parse_listen
 from chandrad.pipeline import Pipeline
 from chandrad.render import RenderPool
 from chandrad.states import DAEMON_TRANSITIONS, DaemonState, EngineState
@@ -105,6 +106,9 @@ class Daemon:
         self.watcher: FolderWatcher | None = None
         self.render: RenderPool | None = None
         self.control: ControlServer | None = None
+        self.metrics = Metrics(self, self._metrics_info)
+        self.metrics_server: MetricsServer | None = None
+        self.metrics_error = ""
         self._paused_before_drain = False
         # A reload runs as a task beside the main loop (its flag check can take minutes),
         # one at a time; requests that arrive meanwhile wait here in order.
@@ -148,6 +152,8 @@ class Daemon:
 
     def _on_engine_change(self, new: EngineState, reason: str) -> None:
         self._notify_status()
+        if new is EngineState.FAILED:  # the supervisor names the failure class as the reason
+            self.metrics.engine_failed(reason)
         if new is EngineState.FATAL and self.config.engine.exit_on_fatal:
             self.exit_code = ExitCode.UNAVAILABLE
             self._commands.put_nowait(_Command("shutdown_now"))
@@ -182,6 +188,8 @@ class Daemon:
                                        backlog=self._has_backlog)
         self.render = RenderPool(cfg.ocr.render_workers)
         self.pipeline = Pipeline(cfg, self.store, self.engine, self.render)
+        self.engine.observer = self.pipeline.observer = self.metrics
+        await self._start_metrics(cfg)
         self.control = ControlServer(cfg.control_socket(), Handlers(self), mode=cfg.control.mode,
                                      group=cfg.control.group)
         await self.control.start()
@@ -201,6 +209,28 @@ class Daemon:
         self.notifier.ready(self.status_line())
         log.info("daemon_started", version=__version__, pid=os.getpid(),
                  socket=str(cfg.control_socket()), watches=len(cfg.watch))
+
+    def _metrics_info(self) -> dict[str, str]:
+        vllm = (self.engine.vllm_version if self.engine and self.engine.vllm_version
+                else installed_vllm_version())
+        return {"version": __version__, "vllm_version": vllm, "model": self.config.engine.model}
+
+    async def _start_metrics(self, cfg: Config) -> None:
+        """Serve /metrics. An address that cannot be bound is logged and shown in
+        ``status`` but does not stop the daemon: OCR matters more than its dashboard,
+        and Prometheus' own ``up`` alert reports the missing target."""
+        if not cfg.metrics.listen:
+            return
+        host, port = parse_listen(cfg.metrics.listen)
+        server = MetricsServer(self.metrics, host, port)
+        try:
+            await server.start()
+        except OSError as exc:
+            self.metrics_error = f"cannot listen on {cfg.metrics.listen}: {exc.strerror or exc}"
+            log.error("metrics_listen_failed", listen=cfg.metrics.listen,
+                      error=exc.strerror or str(exc))
+            return
+        self.metrics_server = server
 
     @staticmethod
     def _open_store(cfg: Config) -> Store:
@@ -360,6 +390,8 @@ class Daemon:
             self.watcher.stop()
         if self.control is not None:
             await self.control.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
         await self.tasks.stop("intake", "dispatch", "watcher", "watchdog")
         if self.engine is not None:
             self.notifier.extend_timeout(self.config.engine.stop_timeout + 30)
@@ -445,6 +477,9 @@ class Daemon:
                 "accepting": bool(self.pipeline and self.pipeline.accepting),
                 "dispatching": bool(self.pipeline and self.pipeline.dispatching.is_set()),
                 "degraded": self.tasks.degraded(),
+                "metrics": {"listen": (f"{self.metrics_server.host}:{self.metrics_server.port}"
+                                       if self.metrics_server else None),
+                            "error": self.metrics_error or None},
             },
             "tasks": self.tasks.snapshot(),
             "engine": self.engine.snapshot(),
@@ -576,9 +611,10 @@ def _keep_start_only_settings(running: Config, new: Config) -> tuple[Config, lis
         ("control.socket", running.control_socket(), new.control_socket()),
         ("control.group", running.control.group, new.control.group),
         ("control.mode", running.control.mode, new.control.mode),
+        ("metrics.listen", running.metrics.listen, new.metrics.listen),
     ) if old != now]
     kept = dataclasses.replace(
-        new, control=running.control,
+        new, control=running.control, metrics=running.metrics,
         daemon=dataclasses.replace(new.daemon, state_dir=running.daemon.state_dir))
     return kept, changed
 

@@ -58,7 +58,7 @@ from chandrad.errors import (
     RenderCrashed,
     RenderTimeout,
 )
-from chandrad.interfaces import EngineHandle
+from chandrad.interfaces import EngineHandle, Observer
 from chandrad.render import RenderedPage, RenderPool
 from chandrad.states import JobState, PageState
 from chandrad.store import Job, Store
@@ -163,6 +163,7 @@ class DynamicLimiter:
 class _PageOutcome:
     ok: bool
     error: str | None = None
+    inference_s: float = 0.0  # engine time of the page's requests, retries included
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,7 @@ class Pipeline:
         self._intake: list[_Settled] = []
         self._intake_ready = asyncio.Event()
         self._intake_busy = False  # a batch is being hashed/accepted
+        self.observer: Observer | None = None  # metrics: page outcomes and latencies
 
     def _request_limit(self) -> int:
         if self.config.ocr.max_in_flight:
@@ -545,10 +547,16 @@ class Pipeline:
 
     async def _page(self, job: Job, index: int) -> None:
         await self._window.acquire()
+        t0 = time.monotonic()
         try:
             await self.dispatching.wait()
+            t0 = time.monotonic()
             page = await self._render(job, index)
+            render_s = time.monotonic() - t0
             outcome = await self._infer(job, index, page.png, page.width, page.height)
+            if self.observer is not None:
+                self.observer.page_finished(outcome.ok, render_s, outcome.inference_s,
+                                            time.monotonic() - t0)
             if not outcome.ok:
                 self.store.fail_page(job.id, index, outcome.error or "failed")
                 log.warning("page_failed", job=job.id, page=index + 1, error=outcome.error)
@@ -557,6 +565,9 @@ class Pipeline:
             if stored is not None and stored.state is PageState.PENDING:
                 self.store.claim_page(job.id, index)  # charge the attempt it cost
             self.store.fail_page(job.id, index, f"{exc.code}: {exc.message}")
+            if self.observer is not None:  # the page could not be rendered
+                elapsed = time.monotonic() - t0
+                self.observer.page_finished(False, elapsed, 0.0, elapsed)
             log.warning("page_failed", job=job.id, page=index + 1, error=exc.message)
         finally:
             await self._window.release()
@@ -587,6 +598,7 @@ class Pipeline:
         last_error = ""
         prompt_estimate = estimate_prompt_tokens(width, height, self._pixels_per_token())
         refit: tuple[int | None] | None = None  # max_tokens from the engine's own count
+        engine_s = 0.0
         while attempt <= cfg.retries:
             await self.dispatching.wait()
             await self.engine.wait_ready()
@@ -634,6 +646,7 @@ class Pipeline:
                     continue
                 last_error = f"engine rejected the page: {exc}"
             finally:
+                engine_s += time.monotonic() - t0
                 await self._inflight.release()
             attempt += 1
             if reply is not None:
@@ -659,7 +672,7 @@ class Pipeline:
                         log.warning("page_truncated", job=job.id, page=index + 1,
                                     attempts=attempts, max_tokens=max_tokens,
                                     max_model_len=self.engine.max_model_len)
-                    return _PageOutcome(True)
+                    return _PageOutcome(True, inference_s=engine_s)
                 last_error = f"{outcome} after {attempt} attempt(s)"
             if attempt <= cfg.retries:
                 self.store.release_page(job.id, index, charge=True)
@@ -667,7 +680,7 @@ class Pipeline:
                          reason=last_error)
                 if reply is None:
                     await asyncio.sleep(ocr.error_retry_delay(attempt))
-        return _PageOutcome(False, f"retries exhausted: {last_error}")
+        return _PageOutcome(False, f"retries exhausted: {last_error}", engine_s)
 
     def _pixels_per_token(self) -> int:
         """The served model's pixels per image token (its processor config), read once."""

@@ -771,6 +771,11 @@ class Store:
         ).fetchone()
         return int(row[0])
 
+    def page_counts(self) -> dict[str, int]:
+        """Pages per state (pending, in_flight, done, failed), over every job."""
+        return {str(state): int(n) for state, n in self._conn.execute(
+            "SELECT state, COUNT(*) FROM pages GROUP BY state")}
+
     # -- learned profiles ------------------------------------------------------------
 
     def save_learned_profile(self, key: str, profile: dict[str, Any]) -> None:
@@ -792,6 +797,12 @@ class Store:
             return None
         data = json.loads(row[0])
         return data if isinstance(data, dict) else None
+
+    def learned_profile_saved_at(self, key: str) -> float | None:
+        """Wall-clock time the learned profile for ``key`` was last saved, or ``None``."""
+        row = self._conn.execute(
+            "SELECT saved_at FROM learned_profiles WHERE key = ?", (key,)).fetchone()
+        return None if row is None else float(row[0])
 
 
 def _statements(script: str) -> list[str]:

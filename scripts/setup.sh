@@ -123,12 +123,17 @@ else
     done_step "installed"
 fi
 
-step "Debian tools: systemd-analyze, journalctl, systemd-journal-remote"
+step "Debian tools: systemd-analyze, journalctl, systemd-journal-remote, prometheus, tmux"
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v journalctl >/dev/null 2>&1 || missing+=(systemd)
 dpkg-query -W -f='${Status}' systemd-journal-remote 2>/dev/null | grep -q "ok installed" \
     || missing+=(systemd-journal-remote)
+# prometheus brings promtool: the metrics tests run a real server and check the rules.
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
+    || missing+=(prometheus)
+# tmux: `chandractl top` is tested in a real terminal.
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
 if ((${#missing[@]} == 0)); then
     done_step "present"
 elif [[ $EUID -ne 0 ]]; then

@@ -486,6 +486,7 @@ def test_shipped_config_loads() -> None:
     assert cfg.ocr == config.OcrConfig()
     assert cfg.engine == config.EngineConfig()
     assert cfg.control == config.ControlConfig()
+    assert cfg.metrics == config.MetricsConfig()
     watch = cfg.watch[0]
     defaults = config.WatchConfig(input=watch.input, output=watch.input.parent / "output",
                                   done=watch.input.parent / "done",
@@ -500,6 +501,7 @@ def test_shipped_config_documents_every_field() -> None:
     sections = {
         "daemon": config.DaemonConfig, "watch": config.WatchConfig, "ocr": config.OcrConfig,
         "engine": config.EngineConfig, "control": config.ControlConfig,
+        "metrics": config.MetricsConfig,
     }
     expected: set[str] = set()
     for name, cls in sections.items():

@@ -43,6 +43,7 @@ from chandrad.engine.session import (
     token_holders,
 )
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
+from chandrad.interfaces import Observer
 from chandrad.logs import Event
 from chandrad.states import ENGINE_TRANSITIONS, EngineState
 
@@ -159,6 +160,7 @@ class EngineSupervisor:
         self._flags_checked: EngineConfig | None = None
         self.generation = 0  # bumped at every spawn: lets a waiter see "a new engine"
         self.backlog = backlog or (lambda: False)
+        self.observer: Observer | None = None  # metrics: profile changes by reason
         # Upshift (SPEC §4.3): the profiles before each downshift step, newest last; the
         # profile to fall back to while probing one step up; pinned after a failed probe.
         self._steps_down: list[MemoryProfile] = []
@@ -593,6 +595,8 @@ class EngineSupervisor:
                     new={k: n for k, (_, n) in changes.items()}, degraded=degraded)
         self.profile = new
         self.profile_source = source
+        if self.observer is not None:
+            self.observer.profile_changed(failure)
 
     def _become_stable(self) -> None:
         if self._upshift_fallback is not None:

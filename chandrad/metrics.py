@@ -1,0 +1,346 @@
+"""Prometheus metrics: ``/metrics`` on ``[metrics] listen`` (adapter: one HTTP listener).
+
+Pull model: a custom collector reads the daemon's state (store counts, engine state and
+profile, watcher health) at scrape time, through the small read-only protocols below, so
+no service keeps a second copy of a fact. Only what exists as events is counted as it
+happens, through :class:`Metrics` as the ``interfaces.Observer`` the pipeline and the
+engine supervisor call: page outcomes and latencies, engine failures by class, profile
+changes by reason. Labels are bounded sets (states, failure classes, engine and watch
+indexes), never a file name. vLLM's own ``/metrics`` is not re-exported: scrape the engine
+port beside this one (docs/operations.md).
+
+The listener is an asyncio server on the daemon's loop, so a scrape reads SQLite and the
+supervisor on the same thread as every other reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from chandrad.engine.classify import FailureClass
+from chandrad.states import DaemonState, EngineState, JobState, PageState
+
+log = structlog.get_logger("chandrad.metrics")
+
+#: The classic text format, which every Prometheus 2.x and agent reads (prometheus_client's
+#: "latest" names 1.0.0, which older scrapers do not know).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Seconds; render is CPU work (ms to seconds), inference and the whole page are GPU
+#: queueing plus decode (seconds to minutes on a loaded engine).
+RENDER_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+INFERENCE_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+PAGE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
+
+#: Profile knobs exported as gauges: (profile key, metric suffix, factor to base units).
+PROFILE_GAUGES: tuple[tuple[str, str, float], ...] = (
+    ("gpu_memory_utilization", "gpu_memory_utilization_ratio", 1.0),
+    ("max_num_seqs", "max_num_seqs", 1.0),
+    ("max_num_batched_tokens", "max_num_batched_tokens", 1.0),
+    ("max_model_len", "max_model_len_tokens", 1.0),
+    ("block_size", "block_size_tokens", 1.0),
+    ("kv_cache_memory_bytes", "kv_cache_memory_bytes", 1.0),
+    ("cpu_offload_gb", "cpu_offload_bytes", 2.0**30),
+    ("mm_processor_cache_gb", "mm_processor_cache_bytes", 2.0**30),
+    ("max_pixels", "max_pixels", 1.0),
+    ("max_output_tokens", "max_output_tokens", 1.0),
+    ("enforce_eager", "enforce_eager", 1.0),
+    ("expandable_segments", "expandable_segments", 1.0),
+)
+PROFILE_SOURCES = ("config", "learned", "downshift", "upshift")
+
+
+# ------------------------------------------------------------------ what a scrape reads
+
+class StoreView(Protocol):
+    def counts(self) -> dict[str, int]: ...
+
+    def page_counts(self) -> dict[str, int]: ...
+
+    def learned_profile_saved_at(self, key: str) -> float | None: ...
+
+
+class ProfileView(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class EngineView(Protocol):
+    @property
+    def state(self) -> EngineState: ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    @property
+    def profile(self) -> ProfileView: ...
+
+    @property
+    def profile_source(self) -> str: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    def learned_key(self) -> str: ...
+
+
+class WatcherView(Protocol):
+    def describe(self) -> list[dict[str, Any]]: ...
+
+
+class DaemonView(Protocol):
+    """What the collector reads from the daemon at scrape time (``daemon.Daemon``)."""
+
+    @property
+    def state(self) -> DaemonState: ...
+
+    @property
+    def store(self) -> StoreView | None: ...
+
+    @property
+    def engine(self) -> EngineView | None: ...
+
+    @property
+    def watcher(self) -> WatcherView | None: ...
+
+
+# ------------------------------------------------------------------ the collector
+
+def _one_hot(name: str, doc: str, label: str, values: Iterable[str], current: str,
+             extra: Mapping[str, str] | None = None) -> GaugeMetricFamily:
+    extra = dict(extra or {})
+    fam = GaugeMetricFamily(name, doc, labels=[*extra, label])
+    for value in values:
+        fam.add_metric([*extra.values(), value], 1.0 if value == current else 0.0)
+    return fam
+
+
+class DaemonCollector(Collector):
+    """Reads the daemon's state at scrape time."""
+
+    def __init__(self, daemon: DaemonView, info: Callable[[], Mapping[str, str]]) -> None:
+        self.daemon = daemon
+        self.info = info
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.daemon
+        info = GaugeMetricFamily("chandrad_info", "Daemon version, vLLM version and model "
+                                 "(value 1).", labels=list(self.info()))
+        info.add_metric(list(self.info().values()), 1.0)
+        yield info
+        yield _one_hot("chandrad_daemon_state", "Daemon state (one-hot).", "state",
+                       [s.value for s in DaemonState], d.state.value)
+        if d.store is not None:
+            yield from self._store(d.store)
+        if d.engine is not None:
+            yield from self._engine("0", d.engine, d.store)
+        if d.watcher is not None:
+            yield from self._watches(d.watcher)
+
+    @staticmethod
+    def _store(store: StoreView) -> Iterator[Metric]:
+        counts = store.counts()
+        jobs = GaugeMetricFamily("chandrad_jobs", "Jobs in the store by state.",
+                                 labels=["state"])
+        for state in JobState:
+            key = "active" if state is JobState.RUNNING else state.value
+            jobs.add_metric([state.value], float(counts.get(key, 0)))
+        yield jobs
+        yield GaugeMetricFamily("chandrad_queue_files", "Accepted files not finished "
+                                "(pending + running jobs).",
+                                value=float(counts.get("pending", 0) + counts.get("active", 0)))
+        pages = store.page_counts()
+        fam = GaugeMetricFamily("chandrad_pages", "Pages of probed jobs in the store by state.",
+                                labels=["state"])
+        for page_state in PageState:
+            fam.add_metric([page_state.value], float(pages.get(page_state.value, 0)))
+        yield fam
+        yield GaugeMetricFamily(
+            "chandrad_queue_pages", "Pages of probed jobs not finished (pending + in flight); "
+            "a job not yet opened adds its pages once it is.",
+            value=float(pages.get("pending", 0) + pages.get("in_flight", 0)))
+        yield GaugeMetricFamily("chandrad_pages_in_flight", "Pages sent to the engine now.",
+                                value=float(pages.get("in_flight", 0)))
+
+    @staticmethod
+    def _engine(engine_id: str, engine: EngineView, store: StoreView | None) -> Iterator[Metric]:
+        label = {"engine": engine_id}
+        yield _one_hot("chandrad_engine_state", "Engine state (one-hot).", "state",
+                       [s.value for s in EngineState], engine.state.value, label)
+        restarts = CounterMetricFamily("chandrad_engine_restarts", "Engine restarts after a "
+                                       "failure since the daemon started.", labels=["engine"])
+        restarts.add_metric([engine_id], float(engine.restarts))
+        yield restarts
+        cap = GaugeMetricFamily("chandrad_engine_capacity", "In-flight requests the pipeline "
+                                "aims for.", labels=["engine"])
+        cap.add_metric([engine_id], float(engine.capacity))
+        yield cap
+        profile = engine.profile.to_dict()
+        for key, suffix, factor in PROFILE_GAUGES:
+            value = profile.get(key)
+            if value is None:
+                continue  # vLLM's own default: not known to chandrad
+            fam = GaugeMetricFamily(f"chandrad_engine_profile_{suffix}",
+                                    f"Memory profile in force: {key} (absent = vLLM default).",
+                                    labels=["engine"])
+            fam.add_metric([engine_id], float(value) * factor)
+            yield fam
+        source = engine.profile_source if engine.profile_source in PROFILE_SOURCES else "config"
+        yield _one_hot("chandrad_engine_profile_source", "Where the profile in force came "
+                       "from (one-hot).", "source", PROFILE_SOURCES, source, label)
+        key = engine.learned_key()
+        saved = store.learned_profile_saved_at(key) if store is not None and key else None
+        if saved is not None:
+            age = GaugeMetricFamily("chandrad_engine_learned_profile_age_seconds",
+                                    "Seconds since the learned profile for this engine's "
+                                    "model/vLLM/GPU was last saved.", labels=["engine"])
+            age.add_metric([engine_id], max(0.0, time.time() - saved))
+            yield age
+
+    @staticmethod
+    def _watches(watcher: WatcherView) -> Iterator[Metric]:
+        up = GaugeMetricFamily("chandrad_watch_up", "1 when the watch's observer is armed "
+                               "and alive.", labels=["watch"])
+        polling = GaugeMetricFamily("chandrad_watch_polling", "1 when the watch polls "
+                                    "instead of using inotify.", labels=["watch"])
+        tracking = GaugeMetricFamily("chandrad_watch_tracking_files", "Files seen and not "
+                                     "yet settled.", labels=["watch"])
+        for root in watcher.describe():
+            index = str(root["index"])
+            up.add_metric([index], 1.0 if root["armed"] else 0.0)
+            polling.add_metric([index], 1.0 if root["mode"] == "poll" else 0.0)
+            tracking.add_metric([index], float(root["tracking"]))
+        yield up
+        yield polling
+        yield tracking
+
+
+# ------------------------------------------------------------------ events + registry
+
+class Metrics:
+    """The registry: the scrape-time collector plus the event counters (an Observer)."""
+
+    def __init__(self, daemon: DaemonView, info: Callable[[], Mapping[str, str]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(DaemonCollector(daemon, info))
+        self._pages = Counter("chandrad_pages_processed", "Pages finished by this daemon, "
+                              "by outcome.", ["outcome"], registry=self.registry)
+        for outcome in ("done", "failed"):
+            self._pages.labels(outcome)
+        self._render = Histogram("chandrad_page_render_seconds", "Time to render one page.",
+                                 registry=self.registry, buckets=RENDER_BUCKETS)
+        self._inference = Histogram("chandrad_page_inference_seconds", "Engine time of one "
+                                    "page: its requests, retries included.",
+                                    registry=self.registry, buckets=INFERENCE_BUCKETS)
+        self._page = Histogram("chandrad_page_seconds", "One page from its start (render) to "
+                               "its result committed.", registry=self.registry,
+                               buckets=PAGE_BUCKETS)
+        self._failures = Counter("chandrad_engine_failures", "Engine failures by class.",
+                                 ["engine", "class"], registry=self.registry)
+        self._changes = Counter("chandrad_engine_profile_changes", "profile_change events by "
+                                "reason (the failure class, or upshift).",
+                                ["engine", "reason"], registry=self.registry)
+        # Every class starts at 0, so increase() sees the first failure (a series that
+        # appears at 1 has no earlier sample to increase from).
+        for cls in FailureClass:
+            if cls is not FailureClass.NONE:
+                self._failures.labels("0", cls.value)
+                self._changes.labels("0", cls.value)
+        self._changes.labels("0", "upshift")
+
+    # interfaces.Observer
+    def page_finished(self, ok: bool, render_s: float, inference_s: float,
+                      total_s: float) -> None:
+        self._pages.labels("done" if ok else "failed").inc()
+        self._render.observe(render_s)
+        if inference_s > 0:
+            self._inference.observe(inference_s)
+        self._page.observe(total_s)
+
+    def engine_failed(self, failure_class: str, engine: str = "0") -> None:
+        self._failures.labels(engine, failure_class).inc()
+
+    def profile_changed(self, reason: str, engine: str = "0") -> None:
+        self._changes.labels(engine, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ------------------------------------------------------------------ the listener
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) → (host, port). Raises ValueError."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{listen!r} is not host:port")
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"{listen!r} has no host")
+    return host, int(port)
+
+
+class MetricsServer:
+    """A minimal HTTP/1.1 server for ``GET /metrics`` on the daemon's event loop."""
+
+    READ_TIMEOUT = 10.0
+
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        self.metrics = metrics
+        self.host = host
+        self.port = port
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        """Bind; raises OSError when the address cannot be taken."""
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        sock = self._server.sockets[0].getsockname()
+        self.port = int(sock[1])
+        log.info("metrics_listening", address=f"{self.host}:{self.port}")
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.READ_TIMEOUT)
+            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            path = target.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+            elif path == "/metrics":
+                status, ctype, body = "200 OK", CONTENT_TYPE, self.metrics.exposition()
+            elif path == "/":
+                status, ctype, body = ("200 OK", "text/html",
+                                       b'<html><body><a href="/metrics">metrics</a></body></html>')
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                         .encode("latin-1") + (body if method != "HEAD" else b""))
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ConnectionError, ValueError):
+            pass
+        except Exception:  # a scrape must never take the daemon down
+            log.exception("metrics_scrape_error")
+            with contextlib.suppress(Exception):
+                writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
