@@ -257,7 +257,7 @@ def test_prometheus_scrapes_the_daemon(stack: Stack, corpus_dir: Path,
     assert info[0]["metric"]["vllm_version"].startswith("vllm")
     assert stack.value('up{job="chandrad"}') == 1
     assert stack.value('up{job="vllm"}') == 1
-    assert (stack.value("vllm:num_requests_running") or 0) >= 0
+    assert stack.value("vllm:num_requests_running") is not None  # vLLM's own series, scraped
     with urllib.request.urlopen(f"{stack.prometheus_url}/api/v1/rules", timeout=10) as reply:
         groups = json.load(reply)["data"]["groups"]
     rules = [r for g in groups for r in g["rules"]]
@@ -272,6 +272,10 @@ def test_prometheus_scrapes_the_daemon(stack: Stack, corpus_dir: Path,
     families = {line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE")}
     exposed = families | {f"{f}_{s}" for f in families for s in ("total", "bucket", "count")}
     used = set(re.findall(r"chandrad_[a-z_]+", RULES.read_text() + DASHBOARD.read_text()))
+    # A profile knob left at vLLM's default (here, on CPU) has no series; test_metrics.py
+    # sets them all and checks those names.
+    used = {n for n in used if not n.startswith("chandrad_engine_profile_")
+            or n == "chandrad_engine_profile_changes_total"}
     assert sorted(used - exposed) == []
     shown = ("chandrad_pages_processed_total", "chandrad_engine_state", "chandrad_jobs",
              "chandrad_info", "chandrad_page_seconds_count")
