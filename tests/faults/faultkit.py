@@ -258,7 +258,9 @@ socket = "{self.socket}"
             return []
         with self.db() as conn:
             conn.row_factory = sqlite3.Row
-            return [dict(r) for r in conn.execute("SELECT * FROM jobs ORDER BY id")]
+            # Paths are stored as their exact bytes (BLOB): give them back as str.
+            return [{k: os.fsdecode(v) if isinstance(v, bytes) else v for k, v in dict(r).items()}
+                    for r in conn.execute("SELECT * FROM jobs ORDER BY id")]
 
     def done_pages(self) -> dict[tuple[int, int], float]:
         """(job, page) → finished_at for every committed page: a later change = done twice."""
