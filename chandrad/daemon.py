@@ -275,12 +275,18 @@ class Daemon:
             self.pipeline.submit(settled.watch_index, settled.root, settled.path, settled.size,
                                  settled.mtime)
 
+    def _tick(self) -> float:
+        """How long the main loop waits for a command: at most one watchdog interval, so
+        an idle but healthy loop has progressed before every ping is due."""
+        interval = self.pinger.interval
+        return TICK if interval is None else min(TICK, interval)
+
     async def _main_loop(self) -> None:
         last_status = ""
         while True:
             self.pinger.progress()
             try:
-                command = await asyncio.wait_for(self._commands.get(), timeout=TICK)
+                command = await asyncio.wait_for(self._commands.get(), timeout=self._tick())
             except TimeoutError:
                 command = None
             if self.tasks.fatal is not None:
@@ -367,7 +373,7 @@ class Daemon:
             self.notifier.extend_timeout(DRAIN_EXTEND_S)
             self.pinger.progress()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._commands.get(), timeout=TICK)
+                await asyncio.wait_for(self._commands.get(), timeout=self._tick())
         return True
 
     def _check_drained(self) -> None:
