@@ -64,11 +64,6 @@ def _error(d: Daemon, name: str) -> dict[str, object]:
 # ------------------------------------------------------------------ folders
 
 
-@pytest.mark.xfail(strict=True, reason="read-only done/: outputs.move_to raises OutputError "
-                   "(EROFS) → the job ends internal_error and the input goes to failed/; the "
-                   "output_unwritable hold (job waits, retried when writable) that issue 8's "
-                   "intake work adds for a full output disk covers EROFS too: remove this "
-                   "marker when it lands")
 def test_read_only_done(daemon: Daemon, corpus_dir: Path) -> None:
     """done/ read-only when a job finishes → the job is held (outputs written, input kept
     in the inbox) and moved to done/ once done/ is writable again; never failed/."""
@@ -89,11 +84,11 @@ def test_read_only_done(daemon: Daemon, corpus_dir: Path) -> None:
     t0 = time.monotonic()
     jobs = d.wait_all_final([name], 120)
     a = audit(d, {name: 4})
-    defect = "KNOWN DEFECT (xfail): " if not (d.done / name).exists() else ""
-    record("read-only done/", f"{defect}job {state_ro} while done/ was read-only, then "
+    record("read-only done/", f"job {state_ro} while done/ was read-only, then "
            f"{jobs[name]['state']}; input in {_final_place(d, name)}", lost=len(a.lost),
            twice=len(a.done_twice), serving_s=time.monotonic() - t0)
     a.assert_clean()
+    assert state_ro == "held (output_unwritable)", state_ro
     assert (d.done / name).exists(), f"input went to failed/: {jobs[name]}"
 
 
