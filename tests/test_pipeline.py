@@ -587,13 +587,15 @@ def test_a_timeout_does_not_fail_the_calls_sharing_the_pool(tmp_path: Path) -> N
     """One page overruns the timeout and the pool is killed for it; calls running on the
     other worker at that moment are innocent: they rerun and succeed."""
     tiff = make_tiff(tmp_path / "pages.tif", [1120, 1148, 1176])
-    huge = make_image(tmp_path / "huge.png", width=7000, height=9000)
+    # A page that never finishes, on any machine: opening a FIFO with no writer blocks.
+    hang = tmp_path / "hang.png"
+    os.mkfifo(hang)
 
     async def body() -> None:
         pool = RenderPool(2, timeout=8.0)
         try:
             await asyncio.gather(*(pool.probe(tiff, 10) for _ in range(2)))
-            slow = asyncio.create_task(pool.render(huge, 0, 1024, 60_000_000))
+            slow = asyncio.create_task(pool.render(hang, 0, 1024, 60_000_000))
             probed = 0
             while not slow.done():
                 # Probes (no page imports: a worker restarts in well under the timeout)
@@ -621,7 +623,9 @@ def test_post_processing_timeout_fails_the_page_not_the_job(tmp_path: Path,
     failed the whole job as internal_error)."""
     w = folders(tmp_path, "w")
     config = write_config(tmp_path, standin, [w])
-    standin.replies[1148] = Reply(content=_big_layout(12000))
+    # ~27 s of post-processing on the machine that wrote this (12,000 blocks took 4.5 s):
+    # over the 8 s limit with a wide margin on a faster one.
+    standin.replies[1148] = Reply(content=_big_layout(60000))
     make_tiff(w.input / "two.tif", [1120, 1148])
 
     async def body() -> None:
