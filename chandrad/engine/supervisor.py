@@ -760,15 +760,9 @@ class EngineSupervisor:
         inodes = listening_inodes(self.engine.port)
         if not inodes:
             return None
-        holders = socket_holders(inodes)
-        who = ", ".join(f"pid {p} ({process_name(p)[:80] or '?'})" for p in sorted(holders))
-        return Diagnosis(
-            cls=FailureClass.OTHER_FATAL,
-            evidence=f"port {self.engine.port} is already in use by "
-            f"{who or 'a process chandrad cannot see'}; not spawning the engine",
-            numbers={"port": float(self.engine.port)},
-            action="stop the other server or change engine.port; retrying with backoff",
-            restartable=True, subclass="port_in_use")
+        who = _holders_text(inodes) or "a process chandrad cannot see"
+        return self._port_in_use(f"port {self.engine.port} is already in use by {who}; "
+                                 "not spawning the engine")
 
     def _foreign_listener(self, gen: _Generation) -> Diagnosis | None:
         """At readiness: a failure if the server answering on the port is not our engine."""
@@ -777,12 +771,13 @@ class EngineSupervisor:
         inodes = listening_inodes(self.engine.port)
         if socket_holders(inodes, gen.process.members()):
             return None
-        holders = socket_holders(inodes)
-        who = ", ".join(f"pid {p} ({process_name(p)[:80] or '?'})" for p in sorted(holders))
+        who = _holders_text(inodes) or "holder not visible"
+        return self._port_in_use(f"a server that is not our engine answers on port "
+                                 f"{self.engine.port} ({who}); our engine does not hold the port")
+
+    def _port_in_use(self, evidence: str) -> Diagnosis:
         return Diagnosis(
-            cls=FailureClass.OTHER_FATAL,
-            evidence=f"a server that is not our engine answers on port {self.engine.port} "
-            f"({who or 'holder not visible'}); our engine does not hold the port",
+            cls=FailureClass.OTHER_FATAL, evidence=evidence,
             numbers={"port": float(self.engine.port)},
             action="stop the other server or change engine.port; retrying with backoff",
             restartable=True, subclass="port_in_use")
@@ -815,3 +810,9 @@ class EngineSupervisor:
             if self.profile != self.configured_profile:
                 self._steps_down = [self.configured_profile]
             log.info("profile_learned_loaded", key=key, profile=data)
+
+
+def _holders_text(inodes: set[int]) -> str:
+    """The processes holding the listening sockets ``inodes``, for an evidence line."""
+    return ", ".join(f"pid {p} ({process_name(p)[:80] or '?'})"
+                     for p in sorted(socket_holders(inodes)))
