@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chandrad import names
+
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin_engine.py"
 FINAL = ("done", "partial", "failed")
@@ -341,7 +343,8 @@ def audit(d: Daemon, dropped: Mapping[str, int | None],
             continue
         if job["state"] in ("done", "partial"):
             out = Path(job["output_dir"]) if job["output_dir"] else None
-            stem = Path(name).stem
+            # Output files carry the input's safe name (chandrad.names), not its raw stem.
+            stem = names.output_name(Path(name).stem)
             doc_path = out / f"{stem}.json" if out else None
             if doc_path is None or not doc_path.is_file():
                 bad.append(f"{name}: no {doc_path}")
