@@ -140,7 +140,8 @@ class Daemon:
         if degraded:
             line += f"; DEGRADED: {', '.join(degraded)} (chandractl status)"
         if self.engine and self.engine.state is EngineState.FATAL:
-            line += f"; ENGINE FATAL: {self.engine.fatal_reason} (chandractl engine restart)"
+            # The way out goes first: a long reason is cut at systemd's STATUS= length.
+            line += f"; ENGINE FATAL (chandractl engine restart): {self.engine.fatal_reason}"
         elif self.engine and self.engine.state is EngineState.STARTING:
             line += " (engine loading)"
         if self.state is DaemonState.RELOADING and self.reload_phase:
