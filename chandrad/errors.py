@@ -107,6 +107,12 @@ class EngineUnavailable(ChandradError):
 
     code = "engine_unavailable"
 
+    @property
+    def page_may_be_at_fault(self) -> bool:
+        """The engine took the request and answered 5xx or timed out on it, so the page
+        itself may be what fails; a refused or dropped connection is the engine's failure."""
+        return "status" in self.details or bool(self.details.get("timed_out"))
+
 
 class InputError(ChandradError):
     """A file cannot be processed; it goes to ``failed/`` with this code. Never exits."""

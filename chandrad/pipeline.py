@@ -69,9 +69,10 @@ log = structlog.get_logger("chandrad.pipeline")
 READ_CHUNK = 1 << 20
 #: Settled files hashed and accepted per store transaction.
 INTAKE_BATCH = 2000
-#: Requests of one page that may fail with the engine "unavailable" (connection lost,
-#: timeout, 5xx) without counting against its ``ocr.retries``; past this, a failing
-#: request is charged, so one poison page cannot keep a job (and a drain) alive forever.
+#: Requests of one page that may fail with the engine "unavailable" without counting
+#: against its ``ocr.retries``; past this, a request that timed out or got a 5xx is
+#: charged, so one poison page cannot keep a job (and a drain) alive forever. A refused or
+#: dropped connection (the engine died under the page) is never charged.
 MAX_FREE_RELEASES = 3
 #: Back-off of a job whose run raised past its own error handling (e.g. its input could
 #: not be moved to ``failed/``): first delay, doubled each time, up to the cap.
@@ -620,7 +621,8 @@ class Pipeline:
             except EngineUnavailable as exc:
                 self.engine.report_failure("request failed", str(exc))
                 page = self.store.page(job.id, index)
-                if page is not None and page.releases >= MAX_FREE_RELEASES:
+                if (exc.page_may_be_at_fault and page is not None
+                        and page.releases >= MAX_FREE_RELEASES):
                     # This page's requests keep failing: from now on they count.
                     self.store.release_page(job.id, index, charge=True)
                     attempt += 1

@@ -95,7 +95,12 @@ class EngineClient:
                 timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
             )
         except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"engine request failed: {type(exc).__name__}: {exc}") from exc
+            # A request that reached the engine and timed out may be the page's fault; a
+            # connection refused, dropped or never made is the engine's.
+            timed_out = isinstance(exc, httpx.TimeoutException) and not isinstance(
+                exc, httpx.ConnectTimeout | httpx.PoolTimeout)
+            raise EngineUnavailable(f"engine request failed: {type(exc).__name__}: {exc}",
+                                    timed_out=timed_out) from exc
         if response.status_code >= 500:
             raise EngineUnavailable(
                 f"engine answered {response.status_code}: {response.text[:500]}",
