@@ -320,7 +320,8 @@ def measure_latency(run: DaemonRun, src: Path, name: str) -> dict[str, Any]:
     row: tuple[Any, ...] = ()
     while time.monotonic() < deadline:
         rows = run.query("SELECT j.id, j.created_at, MIN(p.started_at), j.state FROM jobs j "
-                         "LEFT JOIN pages p ON p.job_id = j.id WHERE j.abs_path LIKE ? "
+                         "LEFT JOIN pages p ON p.job_id = j.id "
+                         "WHERE CAST(j.abs_path AS TEXT) LIKE ? "
                          "GROUP BY j.id", (f"%/{name}",))
         if rows and rows[0][3] in FINISHED:
             row = rows[0]

@@ -508,8 +508,9 @@ def test_daemon_kill9_resumes_without_recompute_or_duplicates(
     with daemon.db() as db:
         after = dict(db.execute(
             "SELECT page_index, finished_at FROM pages WHERE job_id=?", (job_id,)).fetchall())
-        job_count = db.execute("SELECT count(*) FROM jobs WHERE path LIKE ?",
-                               (f"%{name}",)).fetchone()[0]
+        # Paths are stored as their exact bytes (BLOB), which LIKE does not match.
+        job_count = sum(1 for (path,) in db.execute("SELECT path FROM jobs")
+                        if bytes(path).endswith(b"/" + name.encode()))
     assert job_count == 1
     for index, finished in done_before.items():
         assert after[index] == finished, f"page {index + 1} was recomputed"
