@@ -144,6 +144,10 @@ class Daemon:
             line += f"; ENGINE FATAL (chandractl engine restart): {self.engine.fatal_reason}"
         elif self.engine and self.engine.state is EngineState.STARTING:
             line += " (engine loading)"
+        elif self.engine and self.engine.fetch_child is not None:
+            got = self.engine.fetch_child.progress
+            line += (f" (fetching {self.engine.fetch_child.model}: "
+                     f"{got.done / 1e6:.0f}/{got.total / 1e6:.0f} MB)")
         if self.state is DaemonState.RELOADING and self.reload_phase:
             line += f"; reload: {self.reload_phase}"
         return line

@@ -4,12 +4,15 @@ Owns ``chandrad fetch-model``: ``engine.model`` into the cache the engine reads
 (``engine.env``'s ``HF_*`` variables apply) with huggingface_hub's own client and cache
 layout, resumable (a file cut by kill -9 continues from its ``.chandrad-part``), with
 progress as bytes done of bytes total, read from the cache's blobs while it runs. Imports
-huggingface_hub only when called: it runs in its own process, never in the daemon.
+huggingface_hub only when called: it runs in its own process, never in the daemon. Run as
+``python -m chandrad.fetch MODEL`` it is the child the engine supervisor starts before
+vLLM (chandrad/engine/fetching.py reads its lines).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -75,7 +78,7 @@ def fetch_model(model: str, report: Callable[[int, int], None], *,
     """
     try:
         from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError
+        from huggingface_hub.errors import DryRunError, HfHubHTTPError
     except ImportError as exc:
         raise FetchFailed(f"huggingface_hub is not installed: {exc}") from exc
     try:
@@ -106,4 +109,59 @@ def fetch_model(model: str, report: Callable[[int, int], None], *,
         report(total, total)
         return path
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise FetchFailed(f"cannot fetch {model}: {type(exc).__name__}: {exc}") from exc
+        cause = _chain(exc)[-1] if isinstance(exc, DryRunError) else exc  # hides the answer
+        raise FetchFailed(f"cannot fetch {model}: {type(cause).__name__}: {cause}") from exc
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes, outermost first, without the HTTP client's own error."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and type(chain[-1].__cause__).__module__.startswith(
+            ("huggingface_hub", "builtins")):
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+#: The child's protocol (``python -m chandrad.fetch MODEL``), one line each on stdout.
+PROGRESS_LINE = "progress"  # ``progress DONE TOTAL``
+ERROR_LINE = "error"  # ``error REASON``, then the exit status:
+EXIT_NOT_FOUND = 3  # the hub says no such repository, revision or file, or no access: fatal
+EXIT_FAILED = 1  # anything else (network, hub errors, disk): worth a retry
+
+
+def _not_found(exc: BaseException | None) -> bool:
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    for cause in [] if exc is None else _chain(exc):
+        if isinstance(cause, RepositoryNotFoundError | RevisionNotFoundError
+                      | EntryNotFoundError):
+            return True
+        response = getattr(cause, "response", None) if isinstance(cause, HfHubHTTPError) \
+            else None
+        if getattr(response, "status_code", None) in (401, 403, 404):
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The fetch child: ``engine.model`` into the cache of this process's ``HF_*``."""
+    [model] = sys.argv[1:] if argv is None else argv
+
+    def report(done: int, total: int) -> None:
+        print(f"{PROGRESS_LINE} {done} {total}", flush=True)
+
+    try:
+        fetch_model(model, report)
+    except FetchFailed as exc:
+        print(f"{ERROR_LINE} {exc}".replace("\n", " "), flush=True)
+        return EXIT_NOT_FOUND if _not_found(exc.__cause__) else EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

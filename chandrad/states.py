@@ -16,6 +16,7 @@ class EngineState(StrEnum):
     """SPEC §4.1 engine states."""
 
     STOPPED = "stopped"
+    FETCHING = "fetching"  # the model's weights are downloaded before the engine starts
     STARTING = "starting"
     READY = "ready"
     FAILED = "failed"
@@ -25,15 +26,22 @@ class EngineState(StrEnum):
 
 
 ENGINE_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    EngineState.STOPPED: frozenset({EngineState.STARTING}),
+    EngineState.STOPPED: frozenset({EngineState.FETCHING, EngineState.STARTING}),
+    EngineState.FETCHING: frozenset(
+        {EngineState.STARTING, EngineState.FAILED, EngineState.STOPPING}
+    ),
     EngineState.STARTING: frozenset(
         {EngineState.READY, EngineState.FAILED, EngineState.STOPPING, EngineState.FATAL}
     ),
     EngineState.READY: frozenset({EngineState.FAILED, EngineState.STOPPING}),
     EngineState.FAILED: frozenset({EngineState.BACKOFF, EngineState.FATAL, EngineState.STOPPED}),
-    EngineState.BACKOFF: frozenset({EngineState.STARTING, EngineState.STOPPED}),
+    EngineState.BACKOFF: frozenset(
+        {EngineState.FETCHING, EngineState.STARTING, EngineState.STOPPED}
+    ),
     EngineState.STOPPING: frozenset({EngineState.STOPPED}),
-    EngineState.FATAL: frozenset({EngineState.STARTING, EngineState.STOPPED}),
+    EngineState.FATAL: frozenset(
+        {EngineState.FETCHING, EngineState.STARTING, EngineState.STOPPED}
+    ),
 }
 
 #: States in which an engine process may exist.

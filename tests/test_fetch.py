@@ -3,23 +3,30 @@
 huggingface_hub (the real client, in the real `chandrad fetch-model` process) downloads
 a model repository from tests/hub_server.py through ``HF_ENDPOINT`` set in ``[engine] env``
 (the environment the engine reads the cache with). Progress, resume after kill -9, and
-the offline-not-cached error.
+the offline-not-cached error; and the daemon itself (its engine the stand-in process of
+tests/standin_engine.py) fetching a missing model before the engine starts, in state
+``fetching`` with its progress in ``chandractl status`` and systemd's ``STATUS=``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hub_server import HubServer
+from standin_engine import events, write_standin
+from test_daemon_service import Datagrams, base_env, ctl, wait_answering
+from test_supervision import daemon_config, start_daemon, status, wait_engine
 
 from chandrad import model_files
 
@@ -130,3 +137,162 @@ def test_offline_and_not_cached_is_model_not_found_with_the_fetch_command(
     assert "model_not_found" in done.stderr
     assert f"chandrad fetch-model --config {config}" in done.stderr
     assert not hub.requests  # offline: the hub was never asked
+
+
+# ------------------------------------------------------------------ the daemon fetches
+
+
+def _daemon(tmp_path: Path, server: HubServer, port: int, offline: bool = False
+            ) -> tuple[Path, dict[str, str]]:
+    """A daemon config whose engine is the stand-in and whose model is the hub's repo."""
+    python = write_standin(tmp_path / "engine", {})
+    hub_env = (f'env = {{ HF_ENDPOINT = "{server.endpoint}", HF_HUB_CACHE = "{tmp_path}/hf", '
+               'HF_HUB_DISABLE_XET = "1" }')
+    config = daemon_config(tmp_path, python, port, model=MODEL,
+                           extra=f"offline = {'true' if offline else 'false'}\n{hub_env}")
+    env = {k: v for k, v in base_env().items() if not k.startswith("HF_")}
+    env["PYTHONPATH"] = str(REPO)
+    return config, env
+
+
+def _engine_states(log: Path) -> list[str]:
+    states = []
+    for line in log.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("event") == "engine_state":
+            states.append(entry["new"])
+    return states
+
+
+def test_daemon_fetches_a_missing_model_then_starts_the_engine(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """Not cached and not offline: the daemon's engine goes `fetching` (a child downloads
+    the repo, status and STATUS= show bytes done/total rising), then `starting` → `ready`."""
+    server = HubServer(MODEL, _files(), delay=0.03)  # ~2 MB/s: the weights take ~12 s
+    total = sum(len(d) for d in _files().values())
+    config, env = _daemon(tmp_path, server, free_port())
+    notify = Datagrams(tmp_path / "notify.sock")
+    env["NOTIFY_SOCKET"] = str(tmp_path / "notify.sock")
+    sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
+    proc = start_daemon(config, log, env)
+    try:
+        wait_answering(sock, proc, log)
+        seen: list[dict[str, Any]] = []
+        text = ""
+        deadline = time.monotonic() + 120
+        while True:
+            engine = status(sock)["engine"]
+            if engine["state"] != "fetching":
+                if seen:
+                    break
+            else:
+                seen.append(engine["fetch"])
+                if not text:
+                    text = ctl(sock, "status").stdout
+            assert time.monotonic() < deadline, (engine, log.read_text()[-3000:])
+            time.sleep(0.3)
+        ready = wait_engine(sock, proc, log, "ready", timeout=60)
+        notify.pump(0.5)
+    finally:
+        server.stop()
+        if proc.poll() is None:
+            proc.terminate()
+        code = proc.wait(60)
+        notify.close()
+    assert code == 0, log.read_text()[-3000:]
+    assert all(f["model"] == MODEL and f["total"] in (0, total) for f in seen), seen
+    partial = sorted({f["done"] for f in seen if 0 < f["done"] < total})
+    assert len(partial) >= 2, seen  # progress observed rising while it downloads
+    assert [f["done"] for f in seen] == sorted(f["done"] for f in seen), seen
+    assert any(line.split()[:2] == ["fetch", f"{MODEL}:"] and line.endswith(
+        "%)") and f"/{total} bytes" in line for line in text.splitlines()), text
+    fetching_status = [m for m in notify.received
+                       if b"engine fetching" in m and f"fetching {MODEL}: ".encode() in m]
+    assert fetching_status, notify.received[-10:]
+    states = _engine_states(log)
+    assert states[:3] == ["fetching", "starting", "ready"], states
+    assert ready["engine"]["fetch"] is None and ready["engine"]["restarts"] == 0
+    assert model_files.is_available(MODEL, cache_dir=tmp_path / "hf")
+    assert len([e for e in events(tmp_path / "engine") if e["what"] == "spawn"]) == 1
+
+
+def test_daemon_offline_and_not_cached_is_fatal_model_not_found(
+    tmp_path: Path, hub: HubServer, free_port: Callable[[], int]
+) -> None:
+    """`engine.offline = true` and nothing cached: the engine is `fatal` with
+    `model_not_found` and the fetch command in the action; no engine, no hub request."""
+    config, env = _daemon(tmp_path, hub, free_port(), offline=True)
+    sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
+    proc = start_daemon(config, log, env)
+    try:
+        wait_answering(sock, proc, log)
+        fatal = wait_engine(sock, proc, log, "fatal")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        code = proc.wait(60)
+    assert code == 0, log.read_text()[-3000:]
+    failure = fatal["engine"]["last_failure"]
+    assert failure["subclass"] == "model_not_found", failure
+    assert "chandrad fetch-model" in failure["action"], failure
+    assert "engine.offline = true" in failure["evidence"], failure
+    assert "model_not_found" in fatal["engine"]["fatal_reason"]
+    assert _engine_states(log) == ["starting", "failed", "fatal"]
+    assert not hub.requests
+    assert not [e for e in events(tmp_path / "engine") if e["what"] == "spawn"]
+
+
+def test_daemon_fetch_of_a_repo_the_hub_does_not_have_is_fatal(
+    tmp_path: Path, hub: HubServer, free_port: Callable[[], int]
+) -> None:
+    """The hub answers 404 RepoNotFound for ``engine.model``: `model_not_found`, fatal
+    (a restart cannot fix it); a network failure would be retried instead."""
+    config, env = _daemon(tmp_path, hub, free_port())
+    config.write_text(config.read_text().replace(f'model = "{MODEL}"', 'model = "org/absent"'))
+    sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
+    proc = start_daemon(config, log, env)
+    try:
+        wait_answering(sock, proc, log)
+        fatal = wait_engine(sock, proc, log, "fatal")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        code = proc.wait(60)
+    assert code == 0, log.read_text()[-3000:]
+    failure = fatal["engine"]["last_failure"]
+    assert failure["subclass"] == "model_not_found", failure
+    assert "RepositoryNotFoundError" in failure["evidence"], failure
+    assert _engine_states(log) == ["fetching", "failed", "fatal"]
+    assert hub.requests and fatal["engine"]["restarts"] == 0
+
+
+def test_daemon_fetch_network_failure_is_retried_with_backoff(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """No hub answering (connection refused): `model_fetch_failed`, restartable: the
+    supervisor backs off and fetches again, it does not go fatal at the first failure."""
+    server = HubServer(MODEL, _files())
+    server.stop()  # its port now refuses connections
+    config, env = _daemon(tmp_path, server, free_port())
+    sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
+    proc = start_daemon(config, log, env)
+    try:
+        wait_answering(sock, proc, log)
+        deadline = time.monotonic() + 90
+        while (engine := status(sock)["engine"])["restarts"] < 2:
+            assert engine["state"] != "fatal", engine
+            assert time.monotonic() < deadline, (engine, log.read_text()[-3000:])
+            time.sleep(0.3)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        code = proc.wait(60)
+    assert code == 0, log.read_text()[-3000:]
+    failure = engine["last_failure"]
+    assert failure["subclass"] == "model_fetch_failed", failure
+    assert "resumes" in failure["action"], failure
+    assert _engine_states(log)[:4] == ["fetching", "failed", "backoff", "fetching"]

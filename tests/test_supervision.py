@@ -55,7 +55,7 @@ class GpuStandIn:
 
 def engine_config(python: Path, port: int, **memory: Any) -> EngineConfig:
     return EngineConfig(
-        model="standin/model", python=str(python), port=port, startup_timeout=30,
+        model=str(python.parent), python=str(python), port=port, startup_timeout=30,
         stop_timeout=5, stable_seconds=0.5,
         memory=MemoryConfig(gpu_memory_utilization=None, max_num_seqs=None,
                             max_num_batched_tokens=None, **memory),
@@ -161,8 +161,11 @@ def test_stop_also_kills_descendants_that_left_the_session(
         kill_quietly(*grandchild)
 
 
-def daemon_config(root: Path, python: Path, port: int, extra: str = "") -> Path:
-    engine = (f'model = "standin/model"\npython = "{python}"\nport = {port}\n'
+def daemon_config(root: Path, python: Path, port: int, extra: str = "",
+                  model: str | None = None) -> Path:
+    """A daemon whose engine is the stand-in; ``model`` a local folder (nothing to fetch)
+    unless given."""
+    engine = (f'model = "{model or python.parent}"\npython = "{python}"\nport = {port}\n'
               f'startup_timeout = 30\nstop_timeout = 5\nstable_seconds = 0.5\n{extra}\n'
               "[engine.downshift]\nbackoff = [0.2, 1.0]\n")
     config = write_config(root, engine, root / "ctl.sock")

@@ -105,6 +105,12 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
                    f"restarts {text(engine.get('restarts'))}"),
         ("profile", _profile(engine.get("profile"))),
     ])
+    fetch = engine.get("fetch")
+    if isinstance(fetch, dict):
+        done, total = fetch.get("done") or 0, fetch.get("total") or 0
+        share = f" ({100 * done / total:.0f}%)" if total else ""
+        summary.rows.append(("fetch", f"{text(fetch.get('model'))}: {done}/{total} bytes"
+                                      f"{share}"))
     failure = engine.get("last_failure")
     if isinstance(failure, dict):
         summary.rows.append(("last failure", f"{text(failure.get('class'))} at "

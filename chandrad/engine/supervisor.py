@@ -28,6 +28,7 @@ from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
 from chandrad.engine.client import EngineClient
 from chandrad.engine.command import build_engine_command, validate_in_child
+from chandrad.engine.fetching import FetchChild, must_fetch, offline_not_cached
 from chandrad.engine.learned import learned_key, vllm_version_of
 from chandrad.engine.process import EngineProcess, kill_pids, oom_kill_count, process_name
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
@@ -148,6 +149,7 @@ class EngineSupervisor:
         self.restarts = 0
         self._restart_times: deque[float] = deque()
         self._gen: _Generation | None = None
+        self.fetch_child: FetchChild | None = None  # while FETCHING
         self._client = EngineClient(engine.base_url, api_key=engine.api_key,
                                     timeout=ocr.request_timeout)
         self._commands: asyncio.Queue[str] = asyncio.Queue()
@@ -255,6 +257,9 @@ class EngineSupervisor:
             "backoff_s": round(self._backoff_delay, 1) if self._state is EngineState.BACKOFF
             else None,
             "capacity": self.capacity,
+            "fetch": None if self.fetch_child is None else {
+                "model": self.fetch_child.model, "pid": self.fetch_child.pid,
+                **self.fetch_child.progress.to_dict()},
             "metrics": {k.removeprefix("vllm:"): v for k, v in self.metrics.items()
                         if k in ("vllm:num_requests_running", "vllm:num_requests_waiting")},
         }
@@ -370,9 +375,15 @@ class EngineSupervisor:
             self._gen = _Generation(process=None)
             self._transition(EngineState.STARTING, reason, url=self.engine.base_url)
             return
+        fetch = not self.engine.offline and must_fetch(self.engine, self.base_env)
+        if fetch and not await self._fetch(reason):
+            return
         gen = _Generation(process=None)
         self._gen = gen
         self._transition(EngineState.STARTING, reason, profile=self.profile.to_dict())
+        if self.engine.offline and must_fetch(self.engine, self.base_env):
+            self._fail(offline_not_cached(self.engine, self.base_env), exit_code=None)
+            return
         if self._flags_checked != self.engine:
             problems = await self.check_flags(self.engine)
             verdict = [p for p in problems if p.code not in FLAG_CHECK_FAILED_CODES]
@@ -418,6 +429,35 @@ class EngineSupervisor:
         log.info("engine_spawned", pid=process.pid)
         if process.pid is not None:
             self._record_session(identify(process.pid, token))
+
+    async def _fetch(self, reason: str) -> bool:
+        """FETCHING: the weights into the HF cache in a child (engine/fetching.py). True
+        when the engine may start; otherwise the state says why (failed or stopped)."""
+        child = self.fetch_child = FetchChild(self.engine, self.base_env)
+        self._transition(EngineState.FETCHING, reason, model=self.engine.model)
+        await child.start()
+        ended = asyncio.ensure_future(child.wait())
+        try:
+            while not ended.done():
+                command = await self._next_command(0.5)
+                if command in ("stop", "restart", "shutdown"):
+                    await child.stop()
+                    self._transition(EngineState.STOPPING, f"{command} requested")
+                    self._transition(EngineState.STOPPED, f"{command} requested")
+                    if command != "stop":  # for the idle loop: exit, or start afresh
+                        self._commands.put_nowait("shutdown" if command == "shutdown"
+                                                  else "start")
+                    return False
+            code, failure = ended.result()
+        finally:
+            await child.stop()
+            ended.cancel()
+            self.fetch_child = None
+        if failure is not None:
+            self._fail(failure, exit_code=code)
+            return False
+        log.info("engine_model_fetched", model=self.engine.model, bytes=child.progress.total)
+        return True
 
     def _line_sink(self, gen: _Generation) -> Callable[[str, str], None]:
         def sink(stream: str, line: str) -> None:
