@@ -343,7 +343,7 @@ class EngineSupervisor:
                 elif state is EngineState.BACKOFF:
                     if not await self._backoff():
                         return
-                else:  # STOPPING is handled inline by _stop_generation
+                else:  # STOPPING and FETCHING are handled inline (_stop_generation, _fetch)
                     raise InternalError(f"run loop found engine in {state.value}")
         finally:
             if self._gen is not None and self._gen.process is not None:
