@@ -509,7 +509,7 @@ def test_daemon_kill9_resumes_without_recompute_or_duplicates(
         after = dict(db.execute(
             "SELECT page_index, finished_at FROM pages WHERE job_id=?", (job_id,)).fetchall())
         # Paths are stored as their exact bytes (BLOB), which LIKE does not match.
-        job_count = sum(1 for (path,) in db.execute("SELECT path FROM jobs")
+        job_count = sum(1 for (path,) in db.execute("SELECT abs_path FROM jobs")
                         if bytes(path).endswith(b"/" + name.encode()))
     assert job_count == 1
     for index, finished in done_before.items():
