@@ -492,6 +492,9 @@ def test_daemon_kill9_resumes_without_recompute_or_duplicates(
     pages = 117
     drop(corpus_dir / "good/digital_de-math-lecture-notes_117p_geotopo.pdf", daemon.inbox, name)
     job_id = wait_under_way(daemon, name, pages)["id"]
+    status = daemon.status()
+    assert status is not None and status["engine"]["pid"]
+    old_engine = session_members(status["engine"]["pid"])
     assert daemon.proc is not None
     daemon.proc.kill()
     daemon.proc.wait()
@@ -503,6 +506,10 @@ def test_daemon_kill9_resumes_without_recompute_or_duplicates(
 
     daemon.start()
     daemon.wait_engine_ready()
+    # The old engine (API server, EngineCore, workers) is stopped at the restart, though
+    # vLLM's renamed processes no longer carry chandrad's token in their environment.
+    left = {p: process_name(p) for p in old_engine if Path(f"/proc/{p}").exists()}
+    assert not left, left
     jobs = daemon.wait_jobs_finished({name})
     assert jobs[name]["id"] == job_id, "the same job resumed, not a new one"
     with daemon.db() as db:

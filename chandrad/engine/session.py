@@ -3,8 +3,10 @@
 Owns the identity chandrad records for each spawned engine and the ``/proc`` look-ups
 built on it. Each spawn gets a random token, put into the engine's environment as
 ``CHANDRAD_ENGINE_TOKEN``; every descendant inherits it, including one that called
-``setsid()`` or double-forked out of the engine's session (vLLM's EngineCore and workers
-keep the environment they were forked or spawned with). So:
+``setsid()`` or double-forked out of the engine's session. vLLM's EngineCore and workers
+rename themselves with setproctitle, which overwrites their environment: they are found
+through the engine's session instead (and, after a daemon's death, through the recorded
+session, its leader's start time and their ``VLLM::`` names). So:
 
 * **stopping** an engine kills its session *and* every process that carries its token
   (a descendant that left the session no longer escapes, issue 16 #8);
@@ -127,7 +129,32 @@ def stale_engine_pids(identity: EngineIdentity, proc: Path = PROC) -> set[int]:
     """
     if identity.boot_id != boot_id(proc):
         return set()
-    return token_holders(identity.token, proc)
+    return token_holders(identity.token, proc) | _renamed_session_members(identity, proc)
+
+
+def _renamed_session_members(identity: EngineIdentity, proc: Path = PROC) -> set[int]:
+    """vLLM renames its EngineCore and workers (``VLLM::…``) with setproctitle, which
+    overwrites their environment, token included; once the API server has died, nothing
+    else names them. Take the processes so renamed in the recorded session that started
+    no earlier than its leader — unless the leader's pid now belongs to another process."""
+    if identity.start_ticks is None:
+        return set()
+    leader = start_ticks(identity.pid, proc)
+    if leader is not None and leader != identity.start_ticks:
+        return set()  # the pid was reused: that session is somebody else's
+    found: set[int] = set()
+    for pid in _pids(proc):
+        fields = _stat_fields(pid, proc)
+        if (fields is None or len(fields) <= 19 or fields[0] == "Z"
+                or int(fields[3]) != identity.pid or int(fields[19]) < identity.start_ticks):
+            continue
+        try:
+            cmdline = (proc / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.startswith(b"VLLM::"):
+            found.add(pid)
+    return found
 
 
 def listening_inodes(port: int, proc: Path = PROC) -> set[int]:
