@@ -220,12 +220,9 @@ def test_daemon_fetches_a_missing_model_then_starts_the_engine(
     assert len([e for e in events(tmp_path / "engine") if e["what"] == "spawn"]) == 1
 
 
-def test_daemon_offline_and_not_cached_is_fatal_model_not_found(
-    tmp_path: Path, hub: HubServer, free_port: Callable[[], int]
-) -> None:
-    """`engine.offline = true` and nothing cached: the engine is `fatal` with
-    `model_not_found` and the fetch command in the action; no engine, no hub request."""
-    config, env = _daemon(tmp_path, hub, free_port(), offline=True)
+def _status_once_fatal(tmp_path: Path, config: Path,
+                       env: dict[str, str]) -> tuple[dict[str, Any], Path]:
+    """Run a daemon until its engine is ``fatal``; stop it (exit 0); that status and the log."""
     sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
     proc = start_daemon(config, log, env)
     try:
@@ -236,6 +233,16 @@ def test_daemon_offline_and_not_cached_is_fatal_model_not_found(
             proc.terminate()
         code = proc.wait(60)
     assert code == 0, log.read_text()[-3000:]
+    return fatal, log
+
+
+def test_daemon_offline_and_not_cached_is_fatal_model_not_found(
+    tmp_path: Path, hub: HubServer, free_port: Callable[[], int]
+) -> None:
+    """`engine.offline = true` and nothing cached: the engine is `fatal` with
+    `model_not_found` and the fetch command in the action; no engine, no hub request."""
+    config, env = _daemon(tmp_path, hub, free_port(), offline=True)
+    fatal, log = _status_once_fatal(tmp_path, config, env)
     failure = fatal["engine"]["last_failure"]
     assert failure["subclass"] == "model_not_found", failure
     assert "chandrad fetch-model" in failure["action"], failure
@@ -253,16 +260,7 @@ def test_daemon_fetch_of_a_repo_the_hub_does_not_have_is_fatal(
     (a restart cannot fix it); a network failure would be retried instead."""
     config, env = _daemon(tmp_path, hub, free_port())
     config.write_text(config.read_text().replace(f'model = "{MODEL}"', 'model = "org/absent"'))
-    sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
-    proc = start_daemon(config, log, env)
-    try:
-        wait_answering(sock, proc, log)
-        fatal = wait_engine(sock, proc, log, "fatal")
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        code = proc.wait(60)
-    assert code == 0, log.read_text()[-3000:]
+    fatal, log = _status_once_fatal(tmp_path, config, env)
     failure = fatal["engine"]["last_failure"]
     assert failure["subclass"] == "model_not_found", failure
     assert "RepositoryNotFoundError" in failure["evidence"], failure
