@@ -382,7 +382,7 @@ def parse_config(text: str, path: Path) -> Config:
     engine_raw = raw.get("engine", {})
     engine = _engine(reader(engine_raw, "engine"), reader, engine_raw if isinstance(
         engine_raw, dict) else {})
-    control = _control(reader(raw.get("control", {}), "control"), base, daemon)
+    control = _control(reader(raw.get("control", {}), "control"), base)
     metrics = _metrics(reader(raw.get("metrics", {}), "metrics"))
     _cross_checks(watches, problems, loc, file)
     if problems:
@@ -566,7 +566,7 @@ def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
     return cfg
 
 
-def _control(r: _Reader, base: Path, daemon: DaemonConfig) -> ControlConfig:
+def _control(r: _Reader, base: Path) -> ControlConfig:
     d = ControlConfig()
     mode_raw = r.get("mode", (int, str), d.mode)
     mode = d.mode

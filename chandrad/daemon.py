@@ -24,7 +24,7 @@ import structlog
 
 from chandrad import PROTOCOL_VERSION, __version__, names
 from chandrad import gpu as nvml
-from chandrad.config import Config, key_line, load_config
+from chandrad.config import Config, engine_settings_changed, key_line, load_config
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
 from chandrad.engine.learned import installed_vllm_version
@@ -38,11 +38,19 @@ from chandrad.errors import (
     ExitCode,
     StateDirInUse,
 )
+from chandrad.events import Event
 from chandrad.logs import configure_logging
 from chandrad.metrics import Metrics, MetricsServer, parse_listen
 from chandrad.pipeline import Pipeline
+from chandrad.protocol import GpuReply, StatusReply
 from chandrad.render import RenderPool
-from chandrad.states import DAEMON_TRANSITIONS, DaemonState, EngineState
+from chandrad.states import (
+    DAEMON_TRANSITIONS,
+    DaemonCommand,
+    DaemonState,
+    EngineCommand,
+    EngineState,
+)
 from chandrad.store import Store
 from chandrad.systemd import Notifier, WatchdogPinger
 from chandrad.tasks import TaskSupervisor
@@ -82,7 +90,7 @@ class NvmlProbe:
 
 @dataclass
 class _Command:
-    name: str
+    name: DaemonCommand
     done: asyncio.Future[dict[str, Any]] | None = None
 
 
@@ -125,7 +133,7 @@ class Daemon:
             log.error("daemon_state_illegal", old=old.value, new=new.value, reason=reason)
             return
         self.state = new
-        log.info("daemon_state", old=old.value, new=new.value, reason=reason)
+        log.info(Event.DAEMON_STATE, old=old.value, new=new.value, reason=reason)
         self._notify_status()
 
     def status_line(self) -> str:
@@ -161,7 +169,7 @@ class Daemon:
             self.metrics.engine_failed(reason)
         if new is EngineState.FATAL and self.config.engine.exit_on_fatal:
             self.exit_code = ExitCode.UNAVAILABLE
-            self._commands.put_nowait(_Command("shutdown_now"))
+            self._commands.put_nowait(_Command(DaemonCommand.SHUTDOWN_NOW))
 
     async def serve(self) -> int:
         """Run until stopped. Returns the exit code."""
@@ -182,8 +190,9 @@ class Daemon:
     async def _startup(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        for sig, name in ((signal.SIGTERM, "shutdown"), (signal.SIGINT, "shutdown"),
-                          (signal.SIGHUP, "reload")):
+        for sig, name in ((signal.SIGTERM, DaemonCommand.SHUTDOWN),
+                          (signal.SIGINT, DaemonCommand.SHUTDOWN),
+                          (signal.SIGHUP, DaemonCommand.RELOAD)):
             loop.add_signal_handler(sig, self._commands.put_nowait, _Command(name))
         self.store = self._open_store(cfg)
         self._make_watch_folders(cfg)
@@ -212,7 +221,7 @@ class Daemon:
             self.tasks.start("watchdog", self.pinger.run)
         self._set_state(DaemonState.RUNNING, "started")
         self.notifier.ready(self.status_line())
-        log.info("daemon_started", version=__version__, pid=os.getpid(),
+        log.info(Event.DAEMON_STARTED, version=__version__, pid=os.getpid(),
                  socket=str(cfg.control_socket()), watches=len(cfg.watch))
 
     def _metrics_info(self) -> dict[str, str]:
@@ -302,13 +311,13 @@ class Daemon:
                 raise task.exception()  # type: ignore[misc]
             self._next_reload()
             if command is not None:
-                if command.name == "shutdown_now":
+                if command.name is DaemonCommand.SHUTDOWN_NOW:
                     return
-                if command.name == "shutdown":
+                if command.name is DaemonCommand.SHUTDOWN:
                     if await self._drain_then_stop():
                         return
                     continue
-                if command.name == "reload":
+                if command.name is DaemonCommand.RELOAD:
                     self._reloads_waiting.append(command)
                     self._next_reload()
             self._check_drained()
@@ -420,7 +429,7 @@ class Daemon:
             self.store.close()
         if self.render is not None:
             self.render.close()
-        log.info("daemon_stopped", exit_code=int(self.exit_code))
+        log.info(Event.DAEMON_STOPPED, exit_code=int(self.exit_code))
 
     async def _reload(self) -> dict[str, Any]:
         """Re-read the config; an invalid one is refused and the old one stays."""
@@ -431,19 +440,19 @@ class Daemon:
         try:
             new = load_config(self.config.path)
         except ConfigError as exc:
-            log.error("config_reload_refused", problems=[str(p) for p in exc.problems])
+            log.error(Event.CONFIG_RELOAD_REFUSED, problems=[str(p) for p in exc.problems])
             self._set_state(previous, "reload refused")
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + exc.message) from exc
         problems = []
-        if new.engine != self.config.engine and new.engine.supervised:
+        if engine_settings_changed(self.config, new) and new.engine.supervised:
             self.reload_phase = "checking the new engine flags with vLLM's parser"
             self._notify_status()
             problems = await self.engine.check_flags(new.engine)
             self.reload_phase = ""
         if problems:
-            log.error("config_reload_refused", problems=[str(p) for p in problems])
+            log.error(Event.CONFIG_RELOAD_REFUSED, problems=[str(p) for p in problems])
             self._set_state(previous, "reload refused")
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
@@ -466,7 +475,7 @@ class Daemon:
             self._start_watcher_task()
         self._set_state(previous, "reloaded")
         self.notifier.ready(self.status_line())
-        log.info("config_reloaded", engine_restart=restart, watches_changed=watches_changed)
+        log.info(Event.CONFIG_RELOADED, engine_restart=restart, watches_changed=watches_changed)
         return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed,
                 "restart_needed": restart_needed}
 
@@ -474,7 +483,7 @@ class Daemon:
     def _counts(self) -> dict[str, int]:
         return self.store.counts() if self.store else {}
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusReply:
         assert self.store is not None and self.engine is not None
         now = time.time()
         return {
@@ -508,7 +517,7 @@ class Daemon:
         assert self.store is not None
         return [job.to_dict() for job in self.store.list_jobs(state, limit)]
 
-    def gpu(self) -> dict[str, Any]:
+    def gpu(self) -> GpuReply:
         return nvml.gpu_summary()
 
     def version(self) -> dict[str, Any]:
@@ -570,12 +579,12 @@ class Daemon:
 
     async def reload(self, wait: bool = False) -> dict[str, Any]:
         if not wait:
-            self._commands.put_nowait(_Command("reload"))
+            self._commands.put_nowait(_Command(DaemonCommand.RELOAD))
             return {"queued": True}
         assert self.engine is not None
         generation = self.engine.generation
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._commands.put_nowait(_Command("reload", fut))
+        self._commands.put_nowait(_Command(DaemonCommand.RELOAD, fut))
         result = await fut
         if result.get("engine_restart"):
             # --wait: return once an engine with the new settings is ready (or gave up).
@@ -590,7 +599,7 @@ class Daemon:
         if not self.config.engine.supervised:
             raise ControlError("invalid_state", "engine.url is set: the engine is remote and "
                                "not supervised by chandrad")
-        self.engine.request("restart")
+        self.engine.request(EngineCommand.RESTART)
         return {"requested": "restart", "engine_state": self.engine.state.value}
 
     async def rescan(self) -> dict[str, Any]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+from chandrad.protocol import GpuReply
 
 GIB = 2**30
 
@@ -145,7 +147,7 @@ def read_gpus() -> list[GpuInfo]:
     return _read_or_error()[0]
 
 
-def gpu_summary() -> dict[str, Any]:
+def gpu_summary() -> GpuReply:
     """JSON-able view for ``chandractl gpu`` and ``status``."""
     gpus, driver, error = _read_or_error()
     return {
@@ -155,11 +157,14 @@ def gpu_summary() -> dict[str, Any]:
         "driver": driver,
         "gpus": [
             {
-                **{k: v for k, v in asdict(g).items() if k != "processes"},
+                "index": g.index, "uuid": g.uuid, "name": g.name,
+                "memory_total": g.memory_total, "memory_used": g.memory_used,
+                "memory_free": g.memory_free,
                 "memory_total_gib": round(g.memory_total / GIB, 2),
                 "memory_used_gib": round(g.memory_used / GIB, 2),
                 "memory_free_gib": round(g.memory_free / GIB, 2),
-                "processes": [asdict(p) for p in g.processes],
+                "processes": [{"pid": p.pid, "used_bytes": p.used_bytes, "name": p.name}
+                              for p in g.processes],
             }
             for g in gpus
         ],

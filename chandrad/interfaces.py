@@ -7,8 +7,10 @@ that wires concrete objects to these.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
+from chandrad.protocol import EngineStatus
 from chandrad.states import EngineState
 
 
@@ -46,7 +48,7 @@ class EngineHandle(Protocol):
         """The served model's context length as the engine reports it (``None``: unknown)."""
         ...
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> EngineStatus:
         """The engine part of ``status`` (state, pid, profile, last failure)."""
         ...
 
@@ -70,11 +72,15 @@ class DaemonControl(Protocol):
     when the request cannot be honoured.
     """
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> Mapping[str, Any]:
+        """A ``protocol.StatusReply``."""
+        ...
 
     def queue(self, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]: ...
 
-    def gpu(self) -> dict[str, Any]: ...
+    def gpu(self) -> Mapping[str, Any]:
+        """A ``protocol.GpuReply``."""
+        ...
 
     def version(self) -> dict[str, Any]: ...
 

@@ -58,7 +58,9 @@ from chandrad.errors import (
     RenderCrashed,
     RenderTimeout,
 )
+from chandrad.events import Event
 from chandrad.interfaces import EngineHandle, Observer
+from chandrad.protocol import HeldJob, HeldStatus
 from chandrad.render import RenderedPage, RenderPool
 from chandrad.states import JobState, PageState
 from chandrad.store import Job, Store
@@ -272,7 +274,7 @@ class Pipeline:
                     if job is not None:
                         jobs.append(job)
             for job in jobs:
-                log.info("job_accepted", job=job.id, file=names.display(job.abs_path),
+                log.info(Event.JOB_ACCEPTED, job=job.id, file=names.display(job.abs_path),
                          size=job.size, sha256=job.sha256)
             skipped = len(items) - len(jobs)
             if skipped and policy == "skip":
@@ -294,7 +296,7 @@ class Pipeline:
         final = outputs.move_to(self.config.watch[index].failed, root, path)
         outputs.write_error_json(final, "intake_error", f"could not be accepted: {reason}", 0,
                                  {"failed": time.time()})
-        log.error("file_quarantined", file=names.display(path), code="intake_error",
+        log.error(Event.FILE_QUARANTINED, file=names.display(path), code="intake_error",
                   reason=reason, moved_to=names.display(final))
 
     # ------------------------------------------------------------ dispatch
@@ -373,13 +375,13 @@ class Pipeline:
         log.error("job_stuck", job=job_id, failures=failures, retry_in_s=delay, error=reason,
                   exc_info=None if isinstance(exc, ChandradError) else exc)
 
-    def held(self) -> dict[str, Any]:
+    def held(self) -> HeldStatus:
         """Accepted jobs that are not being worked on, and why (for ``status``): their
         watch is no longer configured, they are backing off after an error that left
         them unfinished, or their outputs cannot be written (``output_unwritable``)."""
         count, orphans = self.store.active_outside(list(self._watches_by_root()))
         now = time.monotonic()
-        jobs: list[dict[str, Any]] = [{
+        jobs: list[HeldJob] = [{
             "id": j.id, "file": names.display(j.abs_path), "reason": "watch_removed",
             "message": f"no configured watch has input {j.input_root} any more; put it "
                        "back in the config and reload, or cancel the job"} for j in orphans]
@@ -467,7 +469,7 @@ class Pipeline:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one bad file must never stop the daemon
-            log.exception("job_crashed", job=job.id, file=names.display(job.abs_path))
+            log.exception(Event.JOB_CRASHED, job=job.id, file=names.display(job.abs_path))
             await self._fail_job(job, watch, "internal_error", f"{type(exc).__name__}: {exc}")
         self._backoff.pop(job.id, None)
 
@@ -482,7 +484,7 @@ class Pipeline:
         self.store.set_job_state(job.id, JobState.HELD, error_code=exc.code,
                                  error_message=exc.message)
         code = exc.details.get("errno")
-        log.warning("job_held", job=job.id, file=names.display(job.path), code=exc.code,
+        log.warning(Event.JOB_HELD, job=job.id, file=names.display(job.path), code=exc.code,
                     errno=errno.errorcode.get(code, code) if isinstance(code, int) else None,
                     path=exc.details.get("path"), reason=exc.message, retry_in_s=delay)
 
@@ -560,7 +562,7 @@ class Pipeline:
                                             time.monotonic() - t0)
             if not outcome.ok:
                 self.store.fail_page(job.id, index, outcome.error or "failed")
-                log.warning("page_failed", job=job.id, page=index + 1, error=outcome.error)
+                log.warning(Event.PAGE_FAILED, job=job.id, page=index + 1, error=outcome.error)
         except InputError as exc:
             stored = self.store.page(job.id, index)
             if stored is not None and stored.state is PageState.PENDING:
@@ -569,7 +571,7 @@ class Pipeline:
             if self.observer is not None:  # the page could not be rendered
                 elapsed = time.monotonic() - t0
                 self.observer.page_finished(False, elapsed, 0.0, elapsed)
-            log.warning("page_failed", job=job.id, page=index + 1, error=exc.message)
+            log.warning(Event.PAGE_FAILED, job=job.id, page=index + 1, error=exc.message)
         finally:
             await self._window.release()
 
@@ -725,7 +727,7 @@ class Pipeline:
         final = moved or self._move_input(job, watch.done)
         state = JobState.PARTIAL if failed else JobState.DONE
         self.store.set_job_state(job.id, state, output_dir=out_dir, final_path=final)
-        log.info("job_done", job=job.id, file=names.display(job.path), pages=len(pages),
+        log.info(Event.JOB_DONE, job=job.id, file=names.display(job.path), pages=len(pages),
                  pages_failed=failed, pages_truncated=truncated, seconds=metadata["seconds"],
                  state=state.value, output=names.display(out_dir))
 
@@ -753,7 +755,7 @@ class Pipeline:
         self.store.set_job_state(job.id, JobState.FAILED, error_code=code,
                                  error_message=message, final_path=final)
         self._held_retry.pop(job.id, None)
-        log.error("job_failed", job=job.id, file=names.display(job.path), code=code,
+        log.error(Event.JOB_FAILED, job=job.id, file=names.display(job.path), code=code,
                   reason=message)
 
 

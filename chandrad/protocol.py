@@ -7,6 +7,10 @@ and encoding/decoding of newline-delimited JSON frames with a size limit::
     success  {"v": 1, "id": 7, "ok": true, "result": {"v": 1, ...}}\\n
     failure  {"v": 1, "id": 7, "ok": false, "error": {"code": "not_found", "message": "..."}}\\n
 
+Also owns the shapes of the ``status`` and ``gpu`` results (TypedDicts): the daemon,
+the engine supervisor, ``gpu`` and ``tasks`` build them, ``chandractl`` reads them, and
+each key is spelled once, here.
+
 Pure: no sockets, no daemon. Error codes are those of ``errors.CONTROL_ERROR_CODES``.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from chandrad import PROTOCOL_VERSION
 from chandrad.errors import CONTROL_ERROR_CODES, ControlError
@@ -77,6 +81,162 @@ COMMANDS: dict[str, Command] = {
     "engine_restart": Command("write"),
     "rescan": Command("write"),
 }
+
+
+# ----------------------------------------------------------------- result shapes
+
+
+class GpuProcessStatus(TypedDict):
+    """One process holding GPU memory; ``used_bytes`` None where NVML cannot tell."""
+
+    pid: int
+    used_bytes: int | None
+    name: str
+
+
+class GpuStatus(TypedDict):
+    """One GPU: memory in bytes, and rounded GiB for people."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    memory_used: int
+    memory_free: int
+    memory_total_gib: float
+    memory_used_gib: float
+    memory_free_gib: float
+    processes: list[GpuProcessStatus]
+
+
+class GpuReply(TypedDict):
+    """The ``gpu`` result; ``error`` says why ``gpus`` is empty."""
+
+    v: int
+    available: bool
+    error: str
+    driver: str
+    gpus: list[GpuStatus]
+
+
+#: The engine's last classified failure (``class`` is a Python keyword, hence this form).
+FailureStatus = TypedDict("FailureStatus", {
+    "class": str,
+    "evidence": str,
+    "action": str,
+    "subclass": str | None,
+    "numbers": dict[str, float],
+    "at_wall": float | None,  # epoch seconds
+})
+
+
+class KnobChange(TypedDict):
+    old: Any
+    new: Any
+
+
+#: One downshift or upshift of the memory profile.
+ProfileChangeStatus = TypedDict("ProfileChangeStatus", {
+    "at": float,  # epoch seconds
+    "reason": str,
+    "class": str,
+    "changes": dict[str, KnobChange],
+    "degraded": bool,
+})
+
+
+class FetchStatus(TypedDict):
+    """The model download in progress before the engine starts."""
+
+    model: str
+    pid: int | None
+    done: int
+    total: int
+
+
+class EngineStatus(TypedDict):
+    """One supervised (or remote) engine, as ``status`` shows it."""
+
+    state: str
+    pid: int | None
+    restarts: int
+    supervised: bool
+    url: str
+    model: str
+    served_model_name: str
+    state_for_s: float
+    profile: dict[str, Any]
+    profile_source: str
+    profile_changes: list[ProfileChangeStatus]
+    last_failure: FailureStatus | None
+    fatal_reason: str | None
+    backoff_s: float | None
+    capacity: int
+    fetch: FetchStatus | None
+    metrics: dict[str, float]
+
+
+class TaskStatus(TypedDict):
+    """One long-lived daemon task (``tasks.TaskSupervisor``)."""
+
+    name: str
+    state: str
+    restarts: int
+    last_error: str | None
+    last_error_at: float | None
+    last_item: str | None
+
+
+class MetricsListenStatus(TypedDict):
+    listen: str | None
+    error: str | None
+
+
+class DaemonStatus(TypedDict):
+    state: str
+    pid: int
+    uptime_s: float
+    version: str
+    config: str
+    accepting: bool
+    dispatching: bool
+    degraded: list[str]
+    metrics: MetricsListenStatus
+
+
+class HeldJob(TypedDict, total=False):
+    """An accepted job nobody works on, and why; ``failures``/``retry_in_s`` for backoff."""
+
+    id: int
+    file: str
+    reason: str | None
+    message: str | None
+    failures: int
+    retry_in_s: float
+
+
+class HeldStatus(TypedDict):
+    count: int
+    jobs: list[HeldJob]
+
+
+class ThroughputStatus(TypedDict):
+    pages_per_min_1m: float
+    pages_per_min_15m: float
+    active_jobs: int
+
+
+class StatusReply(TypedDict):
+    """The ``status`` result."""
+
+    v: int
+    daemon: DaemonStatus
+    tasks: list[TaskStatus]
+    engine: EngineStatus
+    queue: dict[str, int]
+    held: HeldStatus
+    throughput: ThroughputStatus
+    gpus: list[GpuStatus]
 
 
 @dataclass(frozen=True)

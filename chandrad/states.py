@@ -1,4 +1,5 @@
-"""Engine, daemon, job and page states and their legal transitions.
+"""Engine, daemon, job and page states and their legal transitions; engine and daemon
+commands.
 
 Leaf module: stdlib only (Supervisor's rule for ``states.py``). String values,
 because they travel to the control socket and the journal in lower case.
@@ -50,6 +51,15 @@ ENGINE_HAS_PROCESS = frozenset({EngineState.STARTING, EngineState.READY, EngineS
 ENGINE_AT_REST = frozenset({EngineState.STOPPED, EngineState.BACKOFF, EngineState.FATAL})
 
 
+class EngineCommand(StrEnum):
+    """What the daemon may ask of an engine supervisor (queued, run by its run loop)."""
+
+    START = "start"
+    RESTART = "restart"
+    STOP = "stop"
+    SHUTDOWN = "shutdown"
+
+
 class DaemonState(StrEnum):
     """The daemon's own mood, separate from the engine's state."""
 
@@ -77,6 +87,17 @@ DAEMON_TRANSITIONS: dict[DaemonState, frozenset[DaemonState]] = {
     DaemonState.DRAINED: frozenset({DaemonState.STOPPING}),
     DaemonState.STOPPING: frozenset(),
 }
+
+
+class DaemonCommand(StrEnum):
+    """What signals and control requests put on the daemon's one command queue."""
+
+    #: SIGTERM/SIGINT: drain what is in flight, then stop; a second one escalates.
+    SHUTDOWN = "shutdown"
+    #: Stop at once (the engine is fatal and ``engine.exit_on_fatal`` is set).
+    SHUTDOWN_NOW = "shutdown_now"
+    #: SIGHUP or ``chandractl reload``: re-read the config.
+    RELOAD = "reload"
 
 
 class JobState(StrEnum):

@@ -132,10 +132,6 @@ class Notifier:
         """One keep-alive ping."""
         self.notify("WATCHDOG=1")
 
-    def watchdog_trigger(self) -> None:
-        """Make systemd take the watchdog action now (a detected unrecoverable state)."""
-        self.notify("WATCHDOG=trigger")
-
     def watchdog_interval(self) -> float | None:
         """Seconds between pings (half of ``WATCHDOG_USEC``), or None when no watchdog is ours."""
         if not self.enabled or not self._watchdog_usec:

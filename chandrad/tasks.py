@@ -33,6 +33,9 @@ from typing import Any
 
 import structlog
 
+from chandrad.events import Event
+from chandrad.protocol import TaskStatus
+
 log = structlog.get_logger("chandrad.tasks")
 
 BACKOFF_FIRST = 0.5
@@ -89,7 +92,7 @@ class _Task:
     stop_on: tuple[type[BaseException], ...] = ()
     runner: asyncio.Task[None] | None = None
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> TaskStatus:
         return {"name": self.name, "state": self.state, "restarts": self.restarts,
                 "last_error": self.last_error, "last_error_at": self.last_error_at,
                 "last_item": self.last_item}
@@ -161,7 +164,7 @@ class TaskSupervisor:
         return [t.name for t in self._tasks.values()
                 if t.state in ("restarting", "dead") or t.restarts]
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[TaskStatus]:
         """Every task for ``status``: name, state, restarts, last error and item."""
         return [t.snapshot() for t in self._tasks.values()]
 
@@ -212,7 +215,7 @@ class TaskSupervisor:
         task.last_item = None if item is None else _describe(task.describe, item)
         give_up = len(task.crashes) >= self._give_up_after
         task.state = "dead" if give_up else "restarting"
-        log.error("task_crashed", task=task.name, error=task.last_error, item=task.last_item,
+        log.error(Event.TASK_CRASHED, task=task.name, error=task.last_error, item=task.last_item,
                   restarts=task.restarts, giving_up=give_up, exc_info=error)
         if item is not None and task.quarantine is not None:
             try:

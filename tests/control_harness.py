@@ -19,6 +19,7 @@ from typing import Any
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
 from chandrad.errors import ControlError
+from chandrad.protocol import GpuStatus
 
 
 class RecordingDaemon:
@@ -74,7 +75,7 @@ class RecordingDaemon:
         }
 
     @staticmethod
-    def _gpus() -> list[dict[str, Any]]:
+    def _gpus() -> list[GpuStatus]:
         # The shape of chandrad.gpu.gpu_summary()["gpus"] (bytes, plus rounded GiB).
         return [{"index": 0, "uuid": "GPU-0b1c", "name": "NVIDIA H200",
                  "memory_used": 71 * 1024**3, "memory_total": 140 * 1024**3,

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -131,8 +132,10 @@ def test_status_plain_text_when_not_a_tty(server: ServerThread) -> None:
     out = proc.stdout
     assert "\x1b[" not in out, "no terminal escapes in a pipe"
     for fragment in ("running", "backoff", "restarts 2", "cuda_oom_load", "enforce_eager",
-                     "pending 1", "12.5 (1m)", "71.0 / 140.0 GiB", "VLLM::EngineCore"):
+                     "pending 1", "12.5 (1m)", "71.0 / 140.0 GiB", "VLLM::EngineCore 70.0 GiB"):
         assert fragment in out, fragment
+    # Read under protocol.FailureStatus' one spelling (at_wall), not guessed: a date, not "-".
+    assert re.search(r"last failure +cuda_oom_load at \d{4}-\d\d-\d\d ", out), out
 
 
 def test_rich_table_keeps_brackets_literal(server: ServerThread) -> None:

@@ -20,7 +20,7 @@ from conftest import REPO_ROOT
 
 from chandrad import config, errors, protocol, states
 from chandrad.engine.classify import FailureClass
-from chandrad.logs import MESSAGE_IDS
+from chandrad.events import MESSAGE_IDS
 
 DOCS = REPO_ROOT / "docs"
 SECTIONS: dict[str, type] = {
@@ -175,7 +175,7 @@ def test_readme_and_docs_link_only_inside_the_repository() -> None:
 
 
 def test_systemd_doc_message_id_table_matches_logs() -> None:
-    """docs/systemd.md's event → MESSAGE_ID table is exactly ``chandrad.logs.MESSAGE_IDS``:
+    """docs/systemd.md's event → MESSAGE_ID table is exactly ``chandrad.events.MESSAGE_IDS``:
     operators filter on these ids, so the doc may neither miss, add nor misspell one."""
     text = (DOCS / "systemd.md").read_text(encoding="utf-8")
     table = text.split("| event | MESSAGE_ID |", 1)[1].split("\n\n", 1)[0]

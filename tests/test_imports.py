@@ -31,9 +31,9 @@ def test_daemon_imports_no_heavy_library() -> None:
 
 #: Every module of the package, by layer (docs/architecture.md). Imports point down only.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "leaf": ("chandrad", "chandrad.errors", "chandrad.states", "chandrad.names",
-             "chandrad.tasks", "chandrad.engine", "chandrad.control", "chandrad.ctl"),
-    "pure": ("chandrad.config", "chandrad.protocol", "chandrad.interfaces",
+    "leaf": ("chandrad", "chandrad.errors", "chandrad.states", "chandrad.events", "chandrad.names",
+             "chandrad.engine", "chandrad.control", "chandrad.ctl"),
+    "pure": ("chandrad.tasks", "chandrad.config", "chandrad.protocol", "chandrad.interfaces",
              "chandrad.engine.classify", "chandrad.engine.profile", "chandrad.engine.launch",
              "chandrad.engine.command", "chandrad.ocr"),
     "adapter": ("chandrad.engine.process", "chandrad.engine.session", "chandrad.engine.learned",

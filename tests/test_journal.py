@@ -22,7 +22,8 @@ from chandrad.ctl.journal import (
     parse_entries,
     run_logs,
 )
-from chandrad.logs import MESSAGE_IDS, Event, configure_logging, get_logger
+from chandrad.events import MESSAGE_IDS, Event
+from chandrad.logs import configure_logging, get_logger
 
 BASE = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
 BOOT_ID = "0123456789abcdef0123456789abcdef"

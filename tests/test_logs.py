@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from chandrad.errors import ConfigError
-from chandrad.logs import MESSAGE_IDS, Event, configure_logging, get_logger, resolve_format
+from chandrad.events import MESSAGE_IDS, Event
+from chandrad.logs import configure_logging, get_logger, resolve_format
 
 SPEC_EVENTS = {
     "daemon_state",
@@ -88,9 +89,10 @@ _LOG_METHODS = {"debug", "info", "warning", "error", "critical", "exception", "m
 PACKAGE = Path(__file__).resolve().parents[1] / "chandrad"
 
 
-def _emitted_events() -> set[str]:
+def _emitted_events(literals: list[str] | None = None) -> set[str]:
     """The event name of every ``log.<level>(EVENT, …)`` call in chandrad/: a string literal
-    or an ``Event.NAME`` constant (``getattr(log, level)(…)`` included)."""
+    or an ``Event.NAME`` constant (``getattr(log, level)(…)`` included). ``literals`` collects
+    ``file:line name`` of each one spelled as a string literal."""
     names: set[str] = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -105,6 +107,8 @@ def _emitted_events() -> set[str]:
                 continue
             if isinstance(first, ast.Constant) and isinstance(first.value, str):
                 names.add(first.value)
+                if literals is not None:
+                    literals.append(f"{path.name}:{node.lineno} {first.value}")
             elif (isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name)
                   and first.value.id == "Event"):
                 names.add(Event[first.attr].value)
@@ -118,6 +122,15 @@ def test_every_message_id_event_is_emitted() -> None:
     emitted = _emitted_events()
     assert {str(e) for e in MESSAGE_IDS} <= emitted, "ids never logged"
     assert "control_command" not in emitted and "engine_fatal" in emitted
+
+
+def test_events_with_an_id_are_spelled_from_the_enum() -> None:
+    """An event that has a MESSAGE_ID is logged as ``Event.NAME``, never as a string literal,
+    so renaming it in one place cannot leave an emitter behind."""
+    literals: list[str] = []
+    _emitted_events(literals)
+    ids = {str(e) for e in MESSAGE_IDS}
+    assert [lit for lit in literals if lit.split(" ", 1)[1] in ids] == []
 
 
 def test_journal_entry_fields(journal_sock: socket.socket) -> None:

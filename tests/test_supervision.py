@@ -29,7 +29,7 @@ from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConf
 from chandrad.engine.profile import GpuFacts, MemoryProfile
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import ExitCode
-from chandrad.states import EngineState
+from chandrad.states import EngineCommand, EngineState
 from chandrad.store import Store
 
 OCR = OcrConfig()
@@ -151,7 +151,7 @@ def test_stop_also_kills_descendants_that_left_the_session(
         grandchild.extend(e["pid"] for e in events(folder) if e["what"] == "grandchild")
         assert grandchild and alive(grandchild[0])
         assert os.getsid(grandchild[0]) != os.getsid(sup.pid or 0)  # it did leave
-        sup.request("stop")
+        sup.request(EngineCommand.STOP)
         await wait_for(lambda: sup.state is EngineState.STOPPED, 30, "stopped")
 
     try:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from chandrad.protocol import TaskStatus
 from chandrad.systemd import Notifier, WatchdogPinger
 from chandrad.tasks import TaskSupervisor, working_on
 
@@ -71,7 +72,7 @@ def test_a_loop_that_returns_is_restarted_unless_told_to_finish() -> None:
     async def loop() -> None:
         runs.append(1)
 
-    async def scenario() -> tuple[list[dict[str, Any]], int]:
+    async def scenario() -> tuple[list[TaskStatus], int]:
         tasks = TaskSupervisor(backoff_first=0.01)
         tasks.start("watcher", loop)
         while len(runs) < 3:

@@ -57,7 +57,7 @@ from typing import Literal
 import structlog
 
 from chandrad.errors import ChandradError, ControlError, ExitCode
-from chandrad.logs import Event
+from chandrad.events import Event
 from chandrad.protocol import (
     COMMANDS,
     MAX_LINE_BYTES,

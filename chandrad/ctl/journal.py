@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from chandrad.errors import CtlExit
-from chandrad.logs import Event, journal_fields
+from chandrad.events import Event
+from chandrad.logs import journal_fields
 
 #: systemd's "Automatic restarting of a unit has been scheduled" (systemd.catalog).
 SD_MESSAGE_UNIT_RESTART_SCHEDULED = "5eb03494b6584870a536b337290809b3"

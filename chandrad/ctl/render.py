@@ -3,7 +3,9 @@
 Owns turning a reply's ``result`` into readable text. Every view is first built as a
 list of :class:`Block` (a key/value list or a table), then written either with rich
 (imported only here, only on a TTY) or as plain text that survives pipes and logs.
-``--json`` output does not come through here.
+``--json`` output does not come through here. Each key is read under the one spelling
+that ``chandrad.protocol`` gives it (``StatusReply``, ``GpuReply``); an older or newer daemon
+that lacks a key shows ``-`` there.
 """
 
 from __future__ import annotations
@@ -64,13 +66,6 @@ def text(value: Any) -> str:
     return str(value)
 
 
-def _first(d: dict[str, Any], *keys: str) -> Any:
-    for key in keys:
-        if d.get(key) is not None:
-            return d[key]
-    return None
-
-
 def _profile(profile: Any) -> str:
     if not isinstance(profile, dict):
         return text(profile)
@@ -114,7 +109,7 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
     failure = engine.get("last_failure")
     if isinstance(failure, dict):
         summary.rows.append(("last failure", f"{text(failure.get('class'))} at "
-                             f"{when(_first(failure, 'at_wall', 'at'))}"))
+                             f"{when(failure.get('at_wall'))}"))
         summary.rows.append(("evidence", text(failure.get("evidence"))))
         if failure.get("action"):
             summary.rows.append(("action", text(failure.get("action"))))
@@ -137,7 +132,7 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
     changes = engine.get("profile_changes") or []
     if changes:
         change_rows: list[Row] = [
-            (when(c.get("at")), text(_first(c, "class", "failure")), text(c.get("reason")),
+            (when(c.get("at")), text(c.get("class")), text(c.get("reason")),
              _changes(c.get("changes")))
             for c in changes if isinstance(c, dict)
         ]
@@ -167,18 +162,17 @@ def task_blocks(r: dict[str, Any]) -> list[Block]:
 def gpu_blocks(r: dict[str, Any]) -> list[Block]:
     gpus = r.get("gpus") or []
     if not gpus:
-        note = text(_first(r, "error", "reason")) if _first(r, "error", "reason") else "none"
+        note = text(r.get("error")) if r.get("error") else "none"
         return [Block("gpus", [("gpus", note)])]
     rows: list[Row] = []
     for g in gpus:
         if not isinstance(g, dict):
             continue
-        used = _first(g, "memory_used_bytes", "used_bytes", "memory_used")
-        total = _first(g, "memory_total_bytes", "total_bytes", "memory_total")
+        used, total = g.get("memory_used"), g.get("memory_total")
         procs = []
         for p in g.get("processes") or []:
             if isinstance(p, dict):
-                held = _first(p, "used_bytes", "memory_bytes", "used_memory", "memory_used")
+                held = p.get("used_bytes")
                 name = f" {p['name']}" if p.get("name") else ""
                 procs.append(f"{text(p.get('pid'))}{name} {gib(held)} GiB")
         rows.append((text(g.get("index")), text(g.get("name")),
@@ -196,14 +190,12 @@ def queue_blocks(r: dict[str, Any]) -> list[Block]:
         if not isinstance(j, dict):
             continue
         pages = f"{text(j.get('pages_done', 0))}/{text(j.get('pages_total', '?'))}"
-        rows.append((text(_first(j, "id", "job")), text(j.get("state")), pages,
-                     text(j.get("attempts", 0)), text(_first(j, "path", "name")), _job_error(j)))
+        rows.append((text(j.get("id")), text(j.get("state")), pages,
+                     text(j.get("attempts", 0)), text(j.get("path")), _job_error(j)))
     return [Block(title, rows, ("job", "state", "pages", "attempts", "file", "error"))]
 
 
 def _job_error(job: dict[str, Any]) -> str:
-    if job.get("error"):
-        return text(job["error"])
     parts = [text(job[k]) for k in ("error_code", "error_message") if job.get(k)]
     return ": ".join(parts)
 

@@ -54,9 +54,6 @@ class Progress:
     done: int = 0
     total: int = 0
 
-    def to_dict(self) -> dict[str, int]:
-        return {"done": self.done, "total": self.total}
-
 
 class FetchChild:
     """One run of the fetch child; :meth:`wait` gives its verdict (None: fetched)."""

@@ -44,9 +44,10 @@ from chandrad.engine.session import (
     token_holders,
 )
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
+from chandrad.events import Event
 from chandrad.interfaces import Observer
-from chandrad.logs import Event
-from chandrad.states import ENGINE_TRANSITIONS, EngineState
+from chandrad.protocol import EngineStatus, FailureStatus, ProfileChangeStatus
+from chandrad.states import ENGINE_TRANSITIONS, EngineCommand, EngineState
 
 log = structlog.get_logger("chandrad.engine")
 
@@ -93,7 +94,7 @@ class ProfileChange:
     changes: dict[str, tuple[Any, Any]]
     degraded: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ProfileChangeStatus:
         return {
             "at": self.at,
             "reason": self.reason,
@@ -152,7 +153,7 @@ class EngineSupervisor:
         self.fetch_child: FetchChild | None = None  # while FETCHING
         self._client = EngineClient(engine.base_url, api_key=engine.api_key,
                                     timeout=ocr.request_timeout)
-        self._commands: asyncio.Queue[str] = asyncio.Queue()
+        self._commands: asyncio.Queue[EngineCommand] = asyncio.Queue()
         self._ready_event = asyncio.Event()
         self._probe_now = asyncio.Event()
         self._stable = False
@@ -228,9 +229,9 @@ class EngineSupervisor:
             raise EngineUnavailable(f"engine is {self._state.value}")
         return await self._client.chat(body, timeout=timeout)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> EngineStatus:
         """The engine part of ``chandractl status``."""
-        failure = None
+        failure: FailureStatus | None = None
         if self.last_failure is not None:
             failure = {
                 "class": str(self.last_failure.cls),
@@ -259,17 +260,16 @@ class EngineSupervisor:
             "capacity": self.capacity,
             "fetch": None if self.fetch_child is None else {
                 "model": self.fetch_child.model, "pid": self.fetch_child.pid,
-                **self.fetch_child.progress.to_dict()},
+                "done": self.fetch_child.progress.done,
+                "total": self.fetch_child.progress.total},
             "metrics": {k.removeprefix("vllm:"): v for k, v in self.metrics.items()
                         if k in ("vllm:num_requests_running", "vllm:num_requests_waiting")},
         }
 
     # ------------------------------------------------------------ commands
-    def request(self, command: str) -> None:
+    def request(self, command: EngineCommand) -> None:
         """Queue ``start``, ``restart``, ``stop`` or ``shutdown`` for the run loop."""
-        if command not in ("start", "restart", "stop", "shutdown"):
-            raise InternalError(f"unknown engine command {command!r}")
-        self._commands.put_nowait(command)
+        self._commands.put_nowait(EngineCommand(command))
 
     async def reconfigure(self, engine: EngineConfig, ocr: OcrConfig) -> bool:
         """Take a reloaded config; restart the engine only if engine settings changed."""
@@ -292,7 +292,7 @@ class EngineSupervisor:
             await self._client.close()
             self._client = EngineClient(engine.base_url, api_key=engine.api_key,
                                         timeout=ocr.request_timeout)
-        self.request("restart")
+        self.request(EngineCommand.RESTART)
         return True
 
     async def check_flags(self, engine: EngineConfig) -> list[ConfigProblem]:
@@ -319,7 +319,7 @@ class EngineSupervisor:
             self._ready_event.set()
         else:
             self._ready_event.clear()
-        log.info("engine_state", old=old.value, new=new.value, reason=reason, **evidence)
+        log.info(Event.ENGINE_STATE, old=old.value, new=new.value, reason=reason, **evidence)
         if self.on_change is not None:
             self.on_change(new, reason)
 
@@ -327,7 +327,7 @@ class EngineSupervisor:
         """Drive the state machine until a ``shutdown`` command has been handled."""
         await self._reap_stale_session()
         if autostart:
-            self.request("start")
+            self.request(EngineCommand.START)
         try:
             while True:
                 state = self._state
@@ -350,7 +350,7 @@ class EngineSupervisor:
                 await self._stop_generation("daemon exiting")
             await self._client.close()
 
-    async def _next_command(self, timeout: float | None) -> str | None:
+    async def _next_command(self, timeout: float | None) -> EngineCommand | None:
         try:
             return await asyncio.wait_for(self._commands.get(), timeout=timeout)
         except TimeoutError:
@@ -359,13 +359,13 @@ class EngineSupervisor:
     async def _idle(self) -> bool:
         """STOPPED or FATAL: wait for an operator. Returns False on shutdown."""
         command = await self._next_command(None)
-        if command == "shutdown":
+        if command is EngineCommand.SHUTDOWN:
             return False
-        if command in ("start", "restart"):
+        if command in (EngineCommand.START, EngineCommand.RESTART):
             if self._state is EngineState.FATAL:
                 self._restart_times.clear()
                 self.fatal_reason = ""
-            await self._spawn("operator request" if command == "restart" else "start")
+            await self._spawn("operator request" if command is EngineCommand.RESTART else "start")
         return True
 
     async def _spawn(self, reason: str) -> None:
@@ -426,7 +426,7 @@ class EngineSupervisor:
             gen.process = None
             self._fail(gen.early, exit_code=None)
             return
-        log.info("engine_spawned", pid=process.pid)
+        log.info(Event.ENGINE_SPAWNED, pid=process.pid)
         if process.pid is not None:
             self._record_session(identify(process.pid, token))
 
@@ -440,13 +440,15 @@ class EngineSupervisor:
         try:
             while not ended.done():
                 command = await self._next_command(0.5)
-                if command in ("stop", "restart", "shutdown"):
+                if command in (EngineCommand.STOP, EngineCommand.RESTART,
+                               EngineCommand.SHUTDOWN):
                     await child.stop()
                     self._transition(EngineState.STOPPING, f"{command} requested")
                     self._transition(EngineState.STOPPED, f"{command} requested")
-                    if command != "stop":  # for the idle loop: exit, or start afresh
-                        self._commands.put_nowait("shutdown" if command == "shutdown"
-                                                  else "start")
+                    if command is not EngineCommand.STOP:  # idle loop: exit, or start afresh
+                        self._commands.put_nowait(EngineCommand.SHUTDOWN
+                                                  if command is EngineCommand.SHUTDOWN
+                                                  else EngineCommand.START)
                     return False
             code, failure = ended.result()
         finally:
@@ -467,7 +469,7 @@ class EngineSupervisor:
                 method = "warning"
             elif level and level.group(1) in ("ERROR", "CRITICAL"):
                 method = "error"
-            getattr(log, method)("engine_line", source="vllm", stream=stream, line=line)
+            getattr(log, method)(Event.ENGINE_LINE, source="vllm", stream=stream, line=line)
             verdict = gen.scanner.feed(line)
             if verdict is not None and gen.early is None:
                 gen.early = verdict
@@ -480,7 +482,7 @@ class EngineSupervisor:
         self.last_failure_at = time.time()
         self._transition(EngineState.FAILED, f"{diagnosis.cls}", exit_code=exit_code,
                          evidence=diagnosis.evidence[:500])
-        log.error("engine_failure", **{"class": str(diagnosis.cls)},
+        log.error(Event.ENGINE_FAILURE, **{"class": str(diagnosis.cls)},
                   evidence=diagnosis.evidence[:2000], numbers=diagnosis.numbers,
                   action=diagnosis.action, exit_code=exit_code, subclass=diagnosis.subclass)
 
@@ -500,15 +502,15 @@ class EngineSupervisor:
                     restartable=True, subclass="killed")
         return verdict
 
-    async def _handle_command(self, command: str) -> bool:
+    async def _handle_command(self, command: EngineCommand) -> bool:
         """A command arriving while an engine runs. Returns True if it ended the generation."""
-        if command == "start":
+        if command is EngineCommand.START:
             return False
         await self._stop_generation(f"{command} requested")
-        if command == "restart":
+        if command is EngineCommand.RESTART:
             await self._spawn("operator restart")
-        elif command == "shutdown":
-            self._commands.put_nowait("shutdown")  # let the idle loop exit
+        elif command is EngineCommand.SHUTDOWN:
+            self._commands.put_nowait(EngineCommand.SHUTDOWN)  # let the idle loop exit
         return True
 
     async def _generation_ended(self, gen: _Generation, *, was_ready: bool) -> bool:
@@ -540,7 +542,7 @@ class EngineSupervisor:
                 seconds = round(gen.ready_at - gen.started_at, 1)
                 self._transition(EngineState.READY, "health 200 and model listed",
                                  seconds=seconds)
-                log.info("engine_ready", seconds=seconds, pid=self.pid,
+                log.info(Event.ENGINE_READY, seconds=seconds, pid=self.pid,
                          profile=self.profile.to_dict())
                 return
             now = time.monotonic()
@@ -558,7 +560,7 @@ class EngineSupervisor:
                 return
             await self._pause(1.0)
 
-    def _drain_command(self) -> str | None:
+    def _drain_command(self) -> EngineCommand | None:
         try:
             return self._commands.get_nowait()
         except asyncio.QueueEmpty:
@@ -630,7 +632,7 @@ class EngineSupervisor:
             return
         self.profile_changes.append(ProfileChange(time.time(), reason, failure, changes,
                                                   degraded))
-        log.warning("profile_change", reason=reason, **{"class": failure},
+        log.warning(Event.PROFILE_CHANGE, reason=reason, **{"class": failure},
                     old={k: o for k, (o, _) in changes.items()},
                     new={k: n for k, (_, n) in changes.items()}, degraded=degraded)
         self.profile = new
@@ -647,7 +649,7 @@ class EngineSupervisor:
         key = self.learned_key()
         if self.profiles is not None and key:
             self.profiles.save_learned_profile(key, self.profile.to_dict())
-        log.info("engine_stable", stable_seconds=self.engine.stable_seconds, learned_key=key,
+        log.info(Event.ENGINE_STABLE, stable_seconds=self.engine.stable_seconds, learned_key=key,
                  profile=self.profile.to_dict())
 
     async def _failed(self) -> None:
@@ -713,13 +715,13 @@ class EngineSupervisor:
 
     async def _backoff(self) -> bool:
         command = await self._next_command(self._backoff_delay)
-        if command == "shutdown":
+        if command is EngineCommand.SHUTDOWN:
             self._transition(EngineState.STOPPED, "shutdown during backoff")
             return False
-        if command == "stop":
+        if command is EngineCommand.STOP:
             self._transition(EngineState.STOPPED, "stop during backoff")
             return True
-        log.info("engine_restart", restarts=self.restarts, profile=self.profile.to_dict())
+        log.info(Event.ENGINE_RESTART, restarts=self.restarts, profile=self.profile.to_dict())
         await self._spawn("restart after failure" if command is None else "operator restart")
         return True
 
@@ -741,7 +743,7 @@ class EngineSupervisor:
                         reason="descendants that called setsid; found by the engine's token")
         survivors = await process.stop(self.engine.stop_timeout)
         if survivors:
-            log.error("engine_orphans", pids=sorted(survivors),
+            log.error(Event.ENGINE_ORPHANS, pids=sorted(survivors),
                       names=[process_name(p) for p in sorted(survivors)])
         await self._wait_gpu_release(process.known_pids)
         self._record_session(None)
@@ -755,7 +757,7 @@ class EngineSupervisor:
             await asyncio.sleep(0.5)
             held = self.gpu.memory_held_by(pids)
         if held:
-            log.error("engine_gpu_memory_held", pids=sorted(held), bytes=sum(held.values()))
+            log.error(Event.ENGINE_GPU_MEMORY_HELD, pids=sorted(held), bytes=sum(held.values()))
 
     def _record_session(self, identity: EngineIdentity | None) -> None:
         """Remember what identifies the engine on disk, so that after a crash of the daemon
@@ -824,7 +826,7 @@ class EngineSupervisor:
 
     async def shutdown(self) -> None:
         """Stop the engine and end :meth:`run` (the caller awaits the run task)."""
-        self.request("shutdown")
+        self.request(EngineCommand.SHUTDOWN)
 
     # ------------------------------------------------------------ learned profiles
     def _gpu_total(self) -> float | None:
