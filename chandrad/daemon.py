@@ -36,6 +36,7 @@ from chandrad.errors import (
     ConfigProblem,
     ControlError,
     ExitCode,
+    InternalError,
     StateDirInUse,
 )
 from chandrad.events import Event
@@ -61,6 +62,11 @@ log = structlog.get_logger("chandrad.daemon")
 TICK = 1.0
 #: While draining, each tick asks systemd for this much more stop time.
 DRAIN_EXTEND_S = 30.0
+#: ``reload --wait`` waits one engine stop + one start + this for the new engine.
+RELOAD_WAIT_SLACK_S = 10.0
+#: After the drain, stopping the engine and the tasks may take engine.stop_timeout + this;
+#: past it the daemon logs what still ran and exits anyway (uvicorn's shutdown deadline).
+STOP_SLACK_S = 30.0
 
 
 def key_line_of(cfg: Config, dotted: str) -> int | None:
@@ -130,8 +136,8 @@ class Daemon:
         if new is old:
             return
         if new not in DAEMON_TRANSITIONS[old]:
-            log.error("daemon_state_illegal", old=old.value, new=new.value, reason=reason)
-            return
+            raise InternalError(f"illegal daemon transition {old.value} -> {new.value} "
+                                f"({reason})")
         self.state = new
         log.info(Event.DAEMON_STATE, old=old.value, new=new.value, reason=reason)
         self._notify_status()
@@ -299,10 +305,7 @@ class Daemon:
         last_status = ""
         while True:
             self.pinger.progress()
-            try:
-                command = await asyncio.wait_for(self._commands.get(), timeout=self._tick())
-            except TimeoutError:
-                command = None
+            command = await self._next_command()
             if self.tasks.fatal is not None:
                 raise self.tasks.fatal
             task = self._reload_task  # one-shot, not supervised: its crash is a bug
@@ -325,6 +328,15 @@ class Daemon:
             if line != last_status:
                 last_status = line
                 self.notifier.status(line)
+
+    async def _next_command(self) -> _Command | None:
+        """The next queued command, or None after one tick."""
+        try:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel.
+            async with asyncio.timeout(self._tick()):
+                return await self._commands.get()
+        except TimeoutError:
+            return None
 
     def _next_reload(self) -> None:
         """Start the next waiting reload as a task unless one is running.
@@ -381,14 +393,37 @@ class Daemon:
             self.tasks.let_finish("watcher")
             self.watcher.stop()
         # Jobs in flight finish their current pages only when the engine can serve them.
-        deadline = time.monotonic() + self.config.engine.stop_timeout + 60
+        deadline = time.monotonic() + self.drain_timeout()
         while (self.pipeline.active_jobs and self.engine.state is EngineState.READY
                and time.monotonic() < deadline):
             self.notifier.extend_timeout(DRAIN_EXTEND_S)
             self.pinger.progress()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._commands.get(), timeout=self._tick())
+            command = await self._next_command()
+            if command is None:
+                continue
+            if command.name is DaemonCommand.RELOAD:
+                self._refuse(command, "reload")
+            else:  # a second SIGTERM (or the engine fatal with exit_on_fatal): stop now
+                log.warning("shutdown_escalated", command=command.name.value,
+                            active_jobs=self.pipeline.active_jobs,
+                            reason="stop draining: in-flight pages go back to the queue")
+                self.notifier.stopping("stopping now: pages in flight return to the queue")
+                break
+        else:
+            if self.pipeline.active_jobs and self.engine.state is EngineState.READY:
+                log.warning("drain_timeout", seconds=self.drain_timeout(),
+                            active_jobs=self.pipeline.active_jobs)
         return True
+
+    def drain_timeout(self) -> float:
+        """How long a SIGTERM waits for pages in flight before it stops the engine."""
+        return self.config.engine.stop_timeout + 60
+
+    def _refuse(self, command: _Command, what: str) -> None:
+        """Answer a command that arrives while the daemon stops: refused, never dropped."""
+        if command.done is not None and not command.done.done():
+            command.done.set_exception(ControlError(
+                "invalid_state", f"daemon is stopping: {what} refused"))
 
     def _check_drained(self) -> None:
         if self.state is not DaemonState.DRAINING or self.pipeline is None:
@@ -405,24 +440,20 @@ class Daemon:
         if self.state is not DaemonState.STOPPING:
             self._set_state(DaemonState.STOPPING, "shutdown")
         self.notifier.stopping("stopping the engine")
-        if self.watcher is not None:
-            self.tasks.let_finish("watcher")
-            self.watcher.stop()
-        if self.control is not None:
-            await self.control.close()
-        if self.metrics_server is not None:
-            await self.metrics_server.close()
-        await self.tasks.stop("intake", "dispatch", "watcher", "watchdog")
-        if self.engine is not None:
-            self.notifier.extend_timeout(self.config.engine.stop_timeout + 30)
-            self.tasks.let_finish("engine")
-            await self.engine.shutdown()
-            engine_task = self.tasks.runner("engine")
-            if engine_task is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(engine_task),
-                                           self.config.engine.stop_timeout + 30)
-        await self.tasks.stop()
+        limit = self.config.engine.stop_timeout + STOP_SLACK_S
+        self.notifier.extend_timeout(limit + 10)
+        try:
+            async with asyncio.timeout(limit):
+                await self._stop_parts()
+        except TimeoutError:
+            log.error("shutdown_deadline", seconds=limit,
+                      still_running=[t["name"] for t in self.tasks.snapshot()
+                                     if t["state"] not in ("stopped", "dead")],
+                      reason="exiting anyway; an engine left behind is stopped at the "
+                             "next start (engine.session)")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self.tasks.stop()
         if self.store is not None:
             # Pages cut off by the stop go back to the queue for the next start.
             self.store.release_all_in_flight()
@@ -431,17 +462,48 @@ class Daemon:
             self.render.close()
         log.info(Event.DAEMON_STOPPED, exit_code=int(self.exit_code))
 
+    async def _stop_parts(self) -> None:
+        """Close the control socket (a request still inside a command is answered that the
+        daemon stops), stop the jobs, the loops and the engine, in that order."""
+        if self.watcher is not None:
+            self.tasks.let_finish("watcher")
+            self.watcher.stop()
+        if self.control is not None:
+            await self.control.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+        await self.tasks.stop("intake", "dispatch", "watcher", "watchdog")
+        if self.pipeline is not None:
+            # Before the store closes: a job cancelled later would find it closed.
+            await self.pipeline.stop_jobs()
+        if self.engine is not None:
+            self.tasks.let_finish("engine")
+            await self.engine.shutdown()
+            engine_task = self.tasks.runner("engine")
+            if engine_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(engine_task)
+        await self.tasks.stop()
+
+    def _end_reload(self, previous: DaemonState, reason: str) -> None:
+        """Back to the state the reload came from (a drain kept its own state meanwhile)."""
+        if self.state is DaemonState.RELOADING:
+            self._set_state(previous, reason)
+
     async def _reload(self) -> dict[str, Any]:
         """Re-read the config; an invalid one is refused and the old one stays."""
         assert self.engine is not None and self.pipeline is not None
         previous = self.state
-        self._set_state(DaemonState.RELOADING, "reload requested")
+        # A drain is not interrupted by a reload: the state stays draining/drained.
+        shown = DaemonState.RELOADING if DaemonState.RELOADING in DAEMON_TRANSITIONS[previous] \
+            else previous
+        self._set_state(shown, "reload requested")
         self.notifier.reloading()
         try:
             new = load_config(self.config.path)
         except ConfigError as exc:
             log.error(Event.CONFIG_RELOAD_REFUSED, problems=[str(p) for p in exc.problems])
-            self._set_state(previous, "reload refused")
+            self._end_reload(previous, "reload refused")
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + exc.message) from exc
@@ -453,7 +515,7 @@ class Daemon:
             self.reload_phase = ""
         if problems:
             log.error(Event.CONFIG_RELOAD_REFUSED, problems=[str(p) for p in problems])
-            self._set_state(previous, "reload refused")
+            self._end_reload(previous, "reload refused")
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + "\n".join(str(p) for p in problems))
@@ -473,7 +535,7 @@ class Daemon:
                                          loop=asyncio.get_running_loop())
             await self.watcher.start()
             self._start_watcher_task()
-        self._set_state(previous, "reloaded")
+        self._end_reload(previous, "reloaded")
         self.notifier.ready(self.status_line())
         log.info(Event.CONFIG_RELOADED, engine_restart=restart, watches_changed=watches_changed)
         return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed,
@@ -577,7 +639,12 @@ class Daemon:
             raise ControlError("invalid_state", f"job {job_id} is already finished")
         return {"cancelled": job_id}
 
+    def _refuse_if_stopping(self, what: str) -> None:
+        if self.state is DaemonState.STOPPING:
+            raise ControlError("invalid_state", f"daemon is stopping: {what} refused")
+
     async def reload(self, wait: bool = False) -> dict[str, Any]:
+        self._refuse_if_stopping("reload")
         if not wait:
             self._commands.put_nowait(_Command(DaemonCommand.RELOAD))
             return {"queued": True}
@@ -587,15 +654,31 @@ class Daemon:
         self._commands.put_nowait(_Command(DaemonCommand.RELOAD, fut))
         result = await fut
         if result.get("engine_restart"):
-            # --wait: return once an engine with the new settings is ready (or gave up).
-            while (self.engine.generation == generation
-                   or self.engine.state not in (EngineState.READY, EngineState.FATAL)):
-                await asyncio.sleep(0.5)
+            # --wait: return once an engine with the new settings is ready (or gave up),
+            # within the time one stop and one start may take.
+            limit = self.reload_wait_timeout()
+            try:
+                async with asyncio.timeout(limit):
+                    while (self.engine.generation == generation
+                           or self.engine.state not in (EngineState.READY, EngineState.FATAL)):
+                        await asyncio.sleep(0.5)
+            except TimeoutError:
+                raise ControlError(
+                    "timeout", f"config reloaded, but the new engine is not ready after "
+                    f"{limit:g} s (engine.stop_timeout + engine.startup_timeout + "
+                    f"{RELOAD_WAIT_SLACK_S:g} s); it is {self.engine.state.value}: see "
+                    "chandractl status") from None
             result["engine_state"] = self.engine.state.value
         return result
 
+    def reload_wait_timeout(self) -> float:
+        """How long ``reload --wait`` waits for the restarted engine to become ready."""
+        engine = self.config.engine
+        return engine.stop_timeout + engine.startup_timeout + RELOAD_WAIT_SLACK_S
+
     async def engine_restart(self) -> dict[str, Any]:
         assert self.engine is not None
+        self._refuse_if_stopping("engine restart")
         if not self.config.engine.supervised:
             raise ControlError("invalid_state", "engine.url is set: the engine is remote and "
                                "not supervised by chandrad")

@@ -307,8 +307,10 @@ class Pipeline:
             await self.dispatching.wait()
             self._start_jobs()
             self._wake.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
             await self._window.poke()
             await self._inflight.poke()
 
@@ -406,6 +408,14 @@ class Pipeline:
         held = {j.id for j in self._held_jobs()}
         return (not self._active and not self._intake and not self._intake_busy
                 and not self.store.next_jobs(list(self._watches_by_root()), held, 1))
+
+    async def stop_jobs(self) -> None:
+        """Cancel the jobs in progress and wait for them (the daemon stops); their pages in
+        flight go back to the queue when the daemon releases them."""
+        tasks = list(self._active.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def cancel_job(self, job_id: int) -> bool:
         task = self._active.get(job_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import sys
@@ -304,7 +305,7 @@ def test_validate_in_child_runs_real_vllm_parser_in_engine_interpreter() -> None
     """The child check returns the same typed problems as the in-process check."""
     engine = replace(ENGINE, extra_args=("--preemption-mode", "swap", "--max-num-seqs", "2"))
     started = time.monotonic()
-    problems = command.validate_in_child(engine, PROFILE, sys.executable)
+    problems = asyncio.run(command.validate_in_child(engine, PROFILE, sys.executable))
     elapsed = time.monotonic() - started
     print(f"validate_in_child took {elapsed:.1f} s")
     assert sorted(_codes(problems)) == ["engine_flag_duplicate", "engine_flag_obsolete"]
@@ -316,7 +317,7 @@ def test_validate_in_child_without_vllm_is_one_clear_problem() -> None:
     system_python = shutil.which("python3", path="/usr/bin")
     if system_python is None:
         pytest.skip("no system python3 without vLLM on this machine")
-    problems = command.validate_in_child(ENGINE, PROFILE, system_python)
+    problems = asyncio.run(command.validate_in_child(ENGINE, PROFILE, system_python))
     assert len(problems) == 1
     assert problems[0].code == "engine_vllm_missing"
     assert "vLLM" in problems[0].message or "vllm" in problems[0].message
@@ -324,6 +325,6 @@ def test_validate_in_child_without_vllm_is_one_clear_problem() -> None:
 
 def test_validate_in_child_with_missing_interpreter() -> None:
     """A python path that does not exist is reported against engine.python."""
-    problems = command.validate_in_child(ENGINE, PROFILE, "/nonexistent/bin/python")
+    problems = asyncio.run(command.validate_in_child(ENGINE, PROFILE, "/nonexistent/bin/python"))
     assert [p.key for p in problems] == ["engine.python"]
     assert "/nonexistent/bin/python" in problems[0].message

@@ -224,6 +224,14 @@ def _check_stale(path: Path) -> None:
     )
 
 
+def _request_id(line: bytes) -> RequestId:
+    """The id of a request line, where it can be read (for a late error reply)."""
+    try:
+        return decode_request(line).id
+    except ProtocolError as exc:
+        return exc.request_id
+
+
 async def _close(writer: asyncio.StreamWriter) -> None:
     """Close after flushing what is buffered; abort if the peer takes none of it for 5 s."""
     writer.close()
@@ -442,7 +450,17 @@ class ControlServer:
                     None, "timeout", f"no complete request line within {self.read_timeout:g} s"))
                 return
             conn.idle_since = None
-            await self._send(writer, await self._answer(line, pid, uid, access))
+            try:
+                reply = await self._answer(line, pid, uid, access)
+            except asyncio.CancelledError:
+                # The daemon stops (close()) while this command waits (drain --wait,
+                # reload --wait): answer it, never leave the client with a closed socket.
+                with contextlib.suppress(Exception):
+                    writer.write(encode_error(
+                        _request_id(line), "invalid_state",
+                        "daemon is stopping: the command was cut short"))
+                raise
+            await self._send(writer, reply)
 
     async def _answer(self, line: bytes, pid: int, uid: int, access: Access) -> bytes:
         rid: RequestId = None

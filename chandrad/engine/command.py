@@ -11,6 +11,7 @@ daemon process never imports vLLM or torch.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import importlib
@@ -441,7 +442,7 @@ def _parser_duplicates(
     return _duplicates(options, repeatable)
 
 
-def validate_in_child(
+async def validate_in_child(
     engine: config.EngineConfig,
     profile: MemoryProfile,
     python: str | None = None,
@@ -451,7 +452,8 @@ def validate_in_child(
     """:func:`validate_engine_args` run by ``<python> -m chandrad check-flags``.
 
     The daemon uses this so that vLLM and torch are imported by a short-lived child
-    (the engine's own interpreter), never by the daemon itself.
+    (the engine's own interpreter), never by the daemon itself. Cancelling it kills the
+    child at once (importing vLLM takes up to a minute; a stopping daemon must not wait).
     """
     interpreter = python or engine_python(engine)
     flags = engine_flags(engine, profile)
@@ -460,18 +462,27 @@ def validate_in_child(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
     try:
-        done = subprocess.run(
-            [interpreter, "-m", "chandrad", "check-flags"],
-            input=json.dumps(list(flags)), capture_output=True, text=True, env=env,
-            timeout=timeout, check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return [errors.ConfigProblem("engine.python", f"checking the engine flags with "
-                                     f"{interpreter} took longer than {timeout:.0f} s",
-                                     code="engine_vllm_missing")]
+        child = await asyncio.create_subprocess_exec(
+            interpreter, "-m", "chandrad", "check-flags", stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as exc:
         return [errors.ConfigProblem("engine.python", f"cannot run {interpreter}: "
                                      f"{exc.strerror}", code="engine_vllm_missing")]
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await child.communicate(json.dumps(list(flags)).encode())
+    except TimeoutError:
+        return [errors.ConfigProblem("engine.python", f"checking the engine flags with "
+                                     f"{interpreter} took longer than {timeout:.0f} s",
+                                     code="engine_vllm_missing")]
+    finally:
+        if child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            await asyncio.shield(child.wait())
+    code = child.returncode if child.returncode is not None else -1
+    done = subprocess.CompletedProcess([interpreter], code, out.decode(errors="replace"),
+                                       err.decode(errors="replace"))
     return _problems_from_child(done, interpreter)
 
 

@@ -13,6 +13,7 @@ which refuses an edge that ``states.ENGINE_TRANSITIONS`` does not allow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import time
@@ -295,13 +296,29 @@ class EngineSupervisor:
         self.request(EngineCommand.RESTART)
         return True
 
+    async def _check_flags_unless_told_otherwise(self) -> list[ConfigProblem] | None:
+        """The spawn's flag check (a child importing vLLM: up to a minute), while queued
+        commands are still heard: a stop, restart or shutdown ends the check at once
+        (its child is killed) and returns None."""
+        check = asyncio.ensure_future(self.check_flags(self.engine))
+        try:
+            while not check.done():
+                command = await self._next_command(0.5)
+                if command is not None and await self._handle_command(command):
+                    return None
+            return check.result()
+        finally:
+            if not check.done():
+                check.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await check
+
     async def check_flags(self, engine: EngineConfig) -> list[ConfigProblem]:
         """Validate the engine flags with the installed vLLM's own parser, in a child
         process (the daemon never imports vLLM)."""
         profile = initial_profile(engine.memory, self._gpu_total())
         t0 = time.monotonic()
-        problems = await asyncio.to_thread(validate_in_child, engine, profile,
-                                           engine.python or None)
+        problems = await validate_in_child(engine, profile, engine.python or None)
         log.info("engine_flags_checked", problems=[str(p) for p in problems],
                  seconds=round(time.monotonic() - t0, 1))
         if not problems:
@@ -352,7 +369,9 @@ class EngineSupervisor:
 
     async def _next_command(self, timeout: float | None) -> EngineCommand | None:
         try:
-            return await asyncio.wait_for(self._commands.get(), timeout=timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel.
+            async with asyncio.timeout(timeout):
+                return await self._commands.get()
         except TimeoutError:
             return None
 
@@ -385,7 +404,9 @@ class EngineSupervisor:
             self._fail(offline_not_cached(self.engine, self.base_env), exit_code=None)
             return
         if self._flags_checked != self.engine:
-            problems = await self.check_flags(self.engine)
+            problems = await self._check_flags_unless_told_otherwise()
+            if problems is None:
+                return  # a queued command (stop, restart, shutdown) ended this start
             verdict = [p for p in problems if p.code not in FLAG_CHECK_FAILED_CODES]
             if verdict:
                 # SPEC §3.3: vLLM's parser refused a flag, before the GPU is touched; the

@@ -41,12 +41,21 @@ def free_port() -> int:
 
 def standin_engine(root: Path, *, port: int, startup_timeout: float = 20,
                    stop_timeout: float = 3) -> str:
-    """The ``[engine]`` table that supervises the stand-in engine process."""
+    """The ``[engine]`` table that supervises the stand-in engine process.
+
+    ``engine.python`` is tests/standin_engine.py's wrapper, which answers the flag check
+    (``-m chandrad check-flags``) at once: importing vLLM's parser there took 60-120 s on a
+    loaded 2-core machine at every engine start, and these tests are not about flags.
+    """
+    from standin_engine import write_standin
+
+    python = write_standin(root / "engine-python", {})
     return f"""
 [engine]
 model = "chandra-standin"
 served_model_name = "chandra"
 port = {port}
+python = "{python}"
 command = ["{sys.executable}", "{STANDIN}"]
 startup_timeout = {startup_timeout}
 stop_timeout = {stop_timeout}
