@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import exited, wait_until
 
 from chandrad.errors import ExitCode
 
@@ -66,15 +67,20 @@ class Datagrams:
                 pass
 
     def wait_for(self, predicate: Callable[[bytes], bool], timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
         seen = 0
-        while time.monotonic() < deadline:
-            for msg in self.received[seen:]:
-                if predicate(msg):
-                    return msg
+        found: list[bytes] = []
+
+        def arrived() -> bool:
+            nonlocal seen
+            found.extend(msg for msg in self.received[seen:] if predicate(msg))
             seen = len(self.received)
-            self.pump(0.2)
-        raise AssertionError(f"not received within {timeout}s; got {self.received[-10:]}")
+            if not found:
+                self.pump(0.2)
+            return bool(found)
+
+        wait_until(arrived, timeout, "datagram", every=0,
+                   context=lambda: f"got {self.received[-10:]}")
+        return found[0]
 
     def close(self) -> None:
         self.sock.close()
@@ -302,11 +308,8 @@ def ctl(sock: Path, *args: str, user: str | None = None) -> subprocess.Completed
 def wait_answering(sock: Path, proc: subprocess.Popen[bytes], log: Path,
                    timeout: float = 60) -> None:
     """Until the daemon answers `status` on ``sock``; fails with its log if it exits first."""
-    deadline = time.monotonic() + timeout
-    while ctl(sock, "status", "--json").returncode != 0:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.3)
+    wait_until(lambda: ctl(sock, "status", "--json").returncode == 0, timeout,
+               "status answers", every=0.3, gone=exited(proc), context=log.read_text)
 
 
 def test_second_uid_is_forbidden_and_stale_socket_is_replaced(
@@ -368,13 +371,10 @@ def test_engine_fatal_daemon_stays_up_and_says_so(
         assert status["engine"]["last_failure"]["class"] == "other_fatal"
         assert status["engine"]["restarts"] == 0
         (service_root / "inbox" / "queued.png").write_bytes(_png())
-        deadline = time.monotonic() + 30
-        while True:
-            queue = json.loads(ctl(service_root / "ctl.sock", "queue", "--json").stdout)
-            if any(j["path"].endswith("queued.png") for j in queue["jobs"]):
-                break
-            assert time.monotonic() < deadline, "file not accepted while the engine is fatal"
-            time.sleep(0.5)
+        wait_until(lambda: any(
+            j["path"].endswith("queued.png") for j in json.loads(
+                ctl(service_root / "ctl.sock", "queue", "--json").stdout)["jobs"]),
+            30, "file accepted while the engine is fatal", every=0.5)
         assert proc.poll() is None
     finally:
         proc.terminate()

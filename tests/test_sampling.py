@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from waiting import exited, wait_until
 
 MAX_MODEL_LEN = 13000
 #: What the real model's prompt costs (Chandra's prompt ~900 tokens, one token per
@@ -165,15 +166,10 @@ socket = "{root / 'control.sock'}"
 
 def _wait_outputs(root: Path, stems: list[str], proc: subprocess.Popen[bytes],
                   timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError((root / "daemon.log").read_text(errors="replace")[-3000:])
-        if all((root / "output" / s / f"{s}_metadata.json").exists() for s in stems):
-            return
-        time.sleep(0.5)
-    raise AssertionError("outputs missing:\n"
-                         + (root / "daemon.log").read_text(errors="replace")[-3000:])
+    wait_until(lambda: all((root / "output" / s / f"{s}_metadata.json").exists()
+                           for s in stems), timeout, f"outputs of {stems}", every=0.5,
+               gone=exited(proc),
+               context=lambda: (root / "daemon.log").read_text(errors="replace")[-3000:])
 
 
 def test_pages_are_sampled_and_retried_as_chandra_does(

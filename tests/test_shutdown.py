@@ -54,22 +54,28 @@ def _sigterm_and_time(d: Daemon, timeout: float = 120) -> tuple[int, float]:
 
 
 def test_sigterm_with_a_job_waiting_for_a_never_ready_engine_exits_promptly(
-        daemon: Daemon, corpus_dir: Path) -> None:
-    d = daemon
-    d.control(mode="never_ready")
-    d.start()
-    d.wait_for("engine starting", lambda: d.engine_state() == "starting", 60)
-    drop(corpus_dir / DOC, d.inbox, "waits.pdf")
-    d.wait_for("job running", lambda: _job_running(d), 60)
-    time.sleep(1.0)  # its pages are rendered and wait for the engine
-    code, seconds = _sigterm_and_time(d)
-    assert code == 0, d.tail()
-    # stop_timeout is 3 s: stopping the loading engine and the daemon takes a few seconds.
-    assert seconds < 15, f"SIGTERM to exit took {seconds:.1f} s\n{d.tail()}"
-    # Its job was stopped before the store closed: no crash on a closed database, and
-    # the job is still open for the next start.
-    assert "job_crashed" not in d.log_path.read_text(), d.tail()
-    assert [j["state"] for j in d.jobs()] in (["running"], ["pending"]), d.jobs()
+        tmp_path: Path, corpus_dir: Path) -> None:
+    """The engine is starting: its flag check (a child that imports vLLM; here one that
+    takes 5 minutes) runs while a job waits for the engine. SIGTERM must not wait for it
+    (it took up to the check's 120 s timeout: the check ran in a thread)."""
+    d = Daemon(tmp_path, standin_engine(tmp_path, port=free_port(), startup_timeout=300,
+                                        stop_timeout=3, check_flags=["sleep:300"]))
+    try:
+        d.start()
+        d.wait_for("engine starting", lambda: d.engine_state() == "starting", 60)
+        drop(corpus_dir / DOC, d.inbox, "waits.pdf")
+        d.wait_for("job running", lambda: _job_running(d), 60)
+        time.sleep(1.0)  # its pages are rendered and wait for the engine
+        code, seconds = _sigterm_and_time(d, timeout=200)
+        assert code == 0, d.tail()
+        # stop_timeout is 3 s: stopping the starting engine and the daemon takes seconds.
+        assert seconds < 15, f"SIGTERM to exit took {seconds:.1f} s\n{d.tail()}"
+        # Its job was stopped before the store closed: no crash on a closed database,
+        # and the job is still open for the next start.
+        assert "job_crashed" not in d.log_path.read_text(), d.tail()
+        assert [j["state"] for j in d.jobs()] in (["running"], ["pending"]), d.jobs()
+    finally:
+        d.cleanup()
 
 
 def test_second_sigterm_escalates_the_drain(daemon: Daemon, corpus_dir: Path) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from standin_engine import events, write_standin
 from test_daemon_service import base_env, ctl, wait_answering, write_config
+from waiting import exited, wait_until, wait_until_async
 
 from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConfig
 from chandrad.engine.profile import GpuFacts, MemoryProfile
@@ -60,14 +61,6 @@ def engine_config(python: Path, port: int, **memory: Any) -> EngineConfig:
         memory=MemoryConfig(gpu_memory_utilization=None, max_num_seqs=None,
                             max_num_batched_tokens=None, **memory),
         downshift=DownshiftConfig(backoff_initial=0.1, backoff_max=0.5, max_restarts=6))
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def supervise(sup: EngineSupervisor, body: Callable[[EngineSupervisor], Awaitable[None]],
@@ -123,7 +116,7 @@ def test_stale_session_file_never_kills_an_unrelated_process(tmp_path: Path) -> 
                                    session_file=session)
 
             async def body(sup: EngineSupervisor) -> None:
-                await wait_for(lambda: not session.exists(), 10, "session file handled")
+                await wait_until_async(lambda: not session.exists(), 10, "session file handled")
 
             supervise(sup, body, autostart=False)
             time.sleep(0.3)
@@ -147,12 +140,12 @@ def test_stop_also_kills_descendants_that_left_the_session(
     grandchild: list[int] = []
 
     async def body(sup: EngineSupervisor) -> None:
-        await wait_for(lambda: sup.state is EngineState.READY, 30, "ready")
+        await wait_until_async(lambda: sup.state is EngineState.READY, 30, "ready")
         grandchild.extend(e["pid"] for e in events(folder) if e["what"] == "grandchild")
         assert grandchild and alive(grandchild[0])
         assert os.getsid(grandchild[0]) != os.getsid(sup.pid or 0)  # it did leave
         sup.request(EngineCommand.STOP)
-        await wait_for(lambda: sup.state is EngineState.STOPPED, 30, "stopped")
+        await wait_until_async(lambda: sup.state is EngineState.STOPPED, 30, "stopped")
 
     try:
         supervise(sup, body)
@@ -190,14 +183,15 @@ def status(sock: Path) -> dict[str, Any]:
 
 def wait_engine(sock: Path, proc: subprocess.Popen[bytes], log: Path, state: str,
                 timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        current = status(sock)
-        if current["engine"]["state"] == state:
-            return current
-        assert time.monotonic() < deadline, (current, log.read_text()[-3000:])
-        time.sleep(0.3)
+    seen: list[dict[str, Any]] = []
+
+    def reached() -> bool:
+        seen.append(status(sock))
+        return bool(seen[-1]["engine"]["state"] == state)
+
+    wait_until(reached, timeout, f"engine {state}", every=0.3, gone=exited(proc),
+               context=lambda: log.read_text()[-3000:])
+    return seen[-1]
 
 
 def test_kill9_daemon_next_start_stops_its_engine_and_setsid_children(
@@ -406,7 +400,7 @@ def test_server_that_takes_the_port_after_the_spawn_is_not_our_engine(
     others: list[subprocess.Popen[bytes]] = []
 
     async def body(sup: EngineSupervisor) -> None:
-        await wait_for(lambda: bool(spawns(folder)), 20, "spawn")
+        await wait_until_async(lambda: bool(spawns(folder)), 20, "spawn")
         others.append(await asyncio.to_thread(foreign_server, tmp_path, port))
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -441,7 +435,7 @@ def test_ladder_does_not_bounce_between_two_profiles(
     sup = EngineSupervisor(cfg, OCR, gpu=gpu)
 
     async def body(sup: EngineSupervisor) -> None:
-        await wait_for(lambda: sup.state in (EngineState.READY, EngineState.FATAL), 60,
+        await wait_until_async(lambda: sup.state in (EngineState.READY, EngineState.FATAL), 60,
                        "ready or fatal")
 
     supervise(sup, body)

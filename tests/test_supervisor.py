@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from waiting import wait_until_async
 
 from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConfig
 from chandrad.daemon import NvmlProbe
@@ -48,14 +49,6 @@ def engine_config(model: Path, port: int, **memory: Any) -> EngineConfig:
 
 
 OCR = OcrConfig(max_output_tokens=64, max_pixels=200_000, min_side_px=64)
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.2)
 
 
 async def with_supervisor(
@@ -109,7 +102,7 @@ def test_ready_chat_then_kill9_restarts_without_orphans(
 
     async def body(sup: EngineSupervisor) -> None:
         t0 = time.monotonic()
-        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "first ready")
+        await wait_until_async(lambda: sup.state is EngineState.READY, START_TIMEOUT, "first ready")
         timings["start_s"] = time.monotonic() - t0
         reply = await sup.chat(chat_body())
         assert reply["choices"][0]["finish_reason"] in ("stop", "length")
@@ -121,8 +114,8 @@ def test_ready_chat_then_kill9_restarts_without_orphans(
         assert any("EngineCore" in n for n in names), names  # the orphan risk is real
         os.kill(api_pid, signal.SIGKILL)
         t1 = time.monotonic()
-        await wait_for(lambda: sup.state is not EngineState.READY, 30, "failure noticed")
-        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready again")
+        await wait_until_async(lambda: sup.state is not EngineState.READY, 30, "failure noticed")
+        await wait_until_async(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready again")
         timings["restart_to_ready_s"] = time.monotonic() - t1
         survivors = {p for p in old if alive(p)}
         assert not survivors, {p: process_name(p) for p in survivors}
@@ -153,7 +146,7 @@ def test_kv_cache_too_small_downshifts_learns_and_reuses(
     seen: dict[str, Any] = {}
 
     async def first(sup: EngineSupervisor) -> None:
-        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT * 2,
+        await wait_until_async(lambda: sup.state is EngineState.READY, START_TIMEOUT * 2,
                        "ready after downshift")
         assert sup.last_failure is not None
         assert str(sup.last_failure.cls) == "kv_cache_insufficient"
@@ -165,12 +158,13 @@ def test_kv_cache_too_small_downshifts_learns_and_reuses(
         reply = await sup.chat(chat_body())
         assert reply["choices"]
         # Upshift: the probe goes back to the 1 MB profile, fails, reverts and pins.
-        await wait_for(lambda: sup.upshift_pinned, START_TIMEOUT * 2, "upshift probe failed")
-        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready again")
+        await wait_until_async(lambda: sup.upshift_pinned, START_TIMEOUT * 2,
+                               "upshift probe failed")
+        await wait_until_async(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready again")
         classes = [c.failure for c in sup.profile_changes]
         assert classes == ["kv_cache_insufficient", "upshift", "kv_cache_insufficient"], classes
         assert sup.profile == downshifted
-        await wait_for(lambda: sup._stable, 30, "stable")
+        await wait_until_async(lambda: sup._stable, 30, "stable")
         seen["changes"] = [c.to_dict() for c in sup.profile_changes]
         seen["profile"] = sup.profile
 
@@ -180,7 +174,8 @@ def test_kv_cache_too_small_downshifts_learns_and_reuses(
     async def second(sup: EngineSupervisor) -> None:
         assert sup.profile_source == "learned"
         assert sup.profile == key_profile
-        await wait_for(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready (learned)")
+        await wait_until_async(lambda: sup.state is EngineState.READY, START_TIMEOUT,
+                               "ready (learned)")
         assert sup.restarts == 0 and sup.last_failure is None
 
     asyncio.run(with_supervisor(replace(cfg, port=free_port()), store, second))
@@ -196,7 +191,7 @@ def test_bad_model_path_goes_fatal_without_restart_loop(
 
     async def body(sup: EngineSupervisor) -> None:
         t0 = time.monotonic()
-        await wait_for(lambda: sup.state is EngineState.FATAL, 180, "fatal")
+        await wait_until_async(lambda: sup.state is EngineState.FATAL, 180, "fatal")
         elapsed = time.monotonic() - t0
         assert sup.restarts == 0
         assert sup.last_failure is not None and not sup.last_failure.restartable

@@ -24,6 +24,7 @@ from tiny_model import (
     PLANTED_TOKENS,
     build_tiny_model,
 )
+from waiting import exited, wait_until
 
 STARTUP_TIMEOUT_S = 600.0  # seen 75 s idle, 325 s on a loaded 2-core box
 STOP_TIMEOUT_S = 30.0
@@ -65,17 +66,14 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _wait_ready(engine: Engine) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if engine.proc.poll() is not None:
-            pytest.fail(f"engine exited with {engine.proc.returncode}:\n{_log_tail(engine.log)}")
+    def healthy() -> bool:
         try:
-            if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{engine.url}/health", timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"engine not healthy after {STARTUP_TIMEOUT_S}s:\n{_log_tail(engine.log)}")
+            return False
+
+    wait_until(healthy, STARTUP_TIMEOUT_S, "engine healthy", every=1.0,
+               gone=exited(engine.proc), context=lambda: _log_tail(engine.log))
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from waiting import exited, wait_until
+
 from chandrad import names
 
 HERE = Path(__file__).resolve().parent
@@ -40,16 +42,17 @@ def free_port() -> int:
 
 
 def standin_engine(root: Path, *, port: int, startup_timeout: float = 20,
-                   stop_timeout: float = 3) -> str:
+                   stop_timeout: float = 3, check_flags: list[str] | None = None) -> str:
     """The ``[engine]`` table that supervises the stand-in engine process.
 
     ``engine.python`` is tests/standin_engine.py's wrapper, which answers the flag check
     (``-m chandrad check-flags``) at once: importing vLLM's parser there took 60-120 s on a
     loaded 2-core machine at every engine start, and these tests are not about flags.
+    ``check_flags`` scripts that answer (``["sleep:300"]``: a check that takes 5 minutes).
     """
     from standin_engine import write_standin
 
-    python = write_standin(root / "engine-python", {})
+    python = write_standin(root / "engine-python", {"check_flags": check_flags or ["ok"]})
     return f"""
 [engine]
 model = "chandra-standin"
@@ -234,15 +237,9 @@ socket = "{self.socket}"
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float,
                  every: float = 0.3) -> float:
         """Poll ``predicate`` until true; return the seconds it took."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if predicate():
-                return time.monotonic() - t0
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode} while waiting for "
-                                     f"{what}\n{self.tail()}")
-            time.sleep(every)
-        raise AssertionError(f"{what}: not within {timeout}s\n{self.tail()}")
+        return wait_until(predicate, timeout, what, every=every,
+                          gone=exited(self.proc) if self.proc is not None else None,
+                          context=self.tail)
 
     def engine_state(self) -> str | None:
         status = self.status()
