@@ -261,15 +261,19 @@ def test_handlers_wrap_queue_and_version() -> None:
 
 
 def test_close_ends_open_connections(tmp_path: Path) -> None:
-    """close() with a client blocked in drain --wait ends that connection and returns."""
+    """close() with a client blocked in drain --wait answers it (the daemon stops), ends
+    that connection and returns."""
     path = tmp_path / "control.sock"
     st = ServerThread(path, RecordingDaemon()).start()
     waiter = connect(path)
-    waiter.sendall(encode_request("drain", {"wait": True}))
+    waiter.sendall(encode_request("drain", {"wait": True}, id=9))
     time.sleep(0.2)
     started = time.monotonic()
     st.stop()
     assert time.monotonic() - started < 5
+    reply = read_reply(waiter)
+    assert (reply["id"], reply["ok"], reply["error"]["code"]) == (9, False, "invalid_state")
+    assert "stopping" in reply["error"]["message"]
     assert at_eof(waiter)
     waiter.close()
     assert not path.exists()
