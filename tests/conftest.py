@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import loop_model
 import pytest
 from tiny_model import build_tiny_model, cache_dir
 
@@ -37,6 +38,13 @@ def _cache_root() -> Path:
 def tiny_model_dir() -> Path:
     """The tiny Idefics3 model directory, built once and reused across sessions."""
     return build_tiny_model(cache_dir(_cache_root()))
+
+
+@pytest.fixture(scope="session")
+def loop_model_dir() -> Path:
+    """The tiny model's variant whose greedy answer is a repetition loop (tests/loop_model.py),
+    built once and reused across sessions like the tiny model."""
+    return loop_model.build_loop_model(loop_model.cache_dir(_cache_root()))
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import hashlib
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,30 +242,31 @@ def cache_dir(root: Path) -> Path:
     return Path(root) / f"idefics3-{FINGERPRINT}"
 
 
-def _is_current(dest: Path) -> bool:
-    """A completed build of this recipe is at `dest` (its marker holds FINGERPRINT)."""
+def _is_current(dest: Path, fingerprint: str) -> bool:
+    """A completed build of the recipe `fingerprint` names is at `dest` (its marker)."""
     try:
-        return (dest / MARKER).read_text().strip() == FINGERPRINT
+        return (dest / MARKER).read_text().strip() == fingerprint
     except OSError:
         return False
 
 
-def build_tiny_model(dest: Path) -> Path:
-    """Build the tiny model into `dest` unless a completed build of this recipe is already
-    there (a build of another recipe is replaced); return `dest`."""
+def build_cached(dest: Path, fingerprint: str, build_into: Callable[[Path], None]) -> Path:
+    """Build with `build_into` into `dest` unless a completed build of `fingerprint` is already
+    there (a build of another recipe is replaced); return `dest`. The build goes to a
+    temporary sibling and is renamed into place, so a crash never leaves a half model."""
     dest = Path(dest)
-    if _is_current(dest):
+    if _is_current(dest, fingerprint):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        _build_into(tmp)
-        (tmp / MARKER).write_text(f"{FINGERPRINT}\n")
+        build_into(tmp)
+        (tmp / MARKER).write_text(f"{fingerprint}\n")
         tmp.chmod(0o755)
         for file in tmp.iterdir():  # safetensors writes 0600; a service user must read it
             file.chmod(0o644)
         if dest.exists():
-            if _is_current(dest):  # another process finished first
+            if _is_current(dest, fingerprint):  # another process finished first
                 return dest
             shutil.rmtree(dest)  # a partial build left by a crash, or a stale recipe
         tmp.rename(dest)
@@ -272,6 +274,12 @@ def build_tiny_model(dest: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return dest
+
+
+def build_tiny_model(dest: Path) -> Path:
+    """Build the tiny model into `dest` unless a completed build of this recipe is already
+    there (a build of another recipe is replaced); return `dest`."""
+    return build_cached(dest, FINGERPRINT, _build_into)
 
 
 def main(argv: list[str]) -> int:
