@@ -90,9 +90,11 @@ def _stamp() -> str:
 
 
 def log(who: str, level: str, where: str, text: str, stream: Any = None) -> None:
-    """One line as vLLM prints it: ``(WHO pid=N) LEVEL mm-dd HH:MM:SS [file:line] text``."""
-    print(f"({who} pid={os.getpid()}) {level} {_stamp()} [{where}] {text}",
-          file=stream or sys.stdout, flush=True)
+    """One line as vLLM prints it: ``(WHO pid=N) LEVEL mm-dd HH:MM:SS [file:line] text``
+    (uvicorn's lines, ``where`` empty: ``(WHO pid=N) LEVEL:     text``)."""
+    line = (f"({who} pid={os.getpid()}) {level} {_stamp()} [{where}] {text}" if where
+            else f"({who} pid={os.getpid()}) {level}:     {text}")
+    print(line, file=stream or sys.stdout, flush=True)
 
 
 # ------------------------------------------------------------------ flag check (engine.python)
@@ -273,7 +275,11 @@ class _Handler(BaseHTTPRequestHandler):
                     answer = ""
         finally:
             self.server.running -= 1
-        if answer.strip() != "done":
+        status = 200 if answer.strip() == "done" else 500
+        # uvicorn's access line, as vLLM's API server prints it: which engine served a page.
+        log("APIServer", "INFO", "", f'{self.client_address[0]}:{self.client_address[1]} - '
+            f'"POST /v1/chat/completions HTTP/1.1" {status}')
+        if status != 200:
             self._send(500, json.dumps({"object": "error", "code": 500, "message":
                                         "EngineCore encountered an issue."}).encode())
             return
