@@ -22,7 +22,8 @@ run() {
 # pytest exits 5 when it collected no test; that is not a failure of the project.
 pytest_suite() {
     local rc=0
-    "$VENV/bin/pytest" -q --timeout="${PYTEST_TIMEOUT:-900}" "$@" || rc=$?
+    # --durations: the slowest tests stay in every CI log (CI time is a budget: < 30 min).
+    "$VENV/bin/pytest" -q --timeout="${PYTEST_TIMEOUT:-900}" --durations=30 "$@" || rc=$?
     ((rc == 5)) && { echo "[test] pytest collected no tests"; return 0; }
     return "$rc"
 }
