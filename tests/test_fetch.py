@@ -27,6 +27,7 @@ from hub_server import HubServer
 from standin_engine import events, write_standin
 from test_daemon_service import Datagrams, base_env, ctl, wait_answering
 from test_supervision import daemon_config, start_daemon, status, wait_engine
+from waiting import exited, wait_until
 
 from chandrad import model_files
 
@@ -280,11 +281,16 @@ def test_daemon_fetch_network_failure_is_retried_with_backoff(
     proc = start_daemon(config, log, env)
     try:
         wait_answering(sock, proc, log)
-        deadline = time.monotonic() + 90
-        while (engine := status(sock)["engine"])["restarts"] < 2:
-            assert engine["state"] != "fatal", engine
-            assert time.monotonic() < deadline, (engine, log.read_text()[-3000:])
-            time.sleep(0.3)
+        seen: list[dict[str, Any]] = []
+
+        def restarted_twice() -> bool:
+            seen.append(status(sock)["engine"])
+            assert seen[-1]["state"] != "fatal", seen[-1]
+            return bool(seen[-1]["restarts"] >= 2)
+
+        wait_until(restarted_twice, 90, "two restarts", every=0.3, gone=exited(proc),
+                   context=lambda: log.read_text()[-3000:])
+        engine = seen[-1]
     finally:
         if proc.poll() is None:
             proc.terminate()

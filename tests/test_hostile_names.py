@@ -16,12 +16,12 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import exited, wait_until
 
 from chandrad import names
 
@@ -75,11 +75,8 @@ socket = "{self.socket}"
         return out
 
     def wait_answering(self) -> None:
-        deadline = time.monotonic() + 60
-        while not self.socket.exists():
-            assert self.proc.poll() is None, self.tail()
-            assert time.monotonic() < deadline, self.tail()
-            time.sleep(0.2)
+        wait_until(self.socket.exists, 60, "control socket", gone=exited(self.proc),
+                   context=self.tail)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -129,12 +126,14 @@ def test_hostile_names_are_accepted_kept_and_moved_by_their_bytes(
     # and never took it.
     drop(daemon.inbox, b"after.pdf", pdf)
     wanted = {*NAMES.values(), "after.pdf"}
-    deadline = time.monotonic() + 60
     jobs: dict[str, dict[str, Any]] = {}
-    while time.monotonic() < deadline and set(jobs) != wanted:
-        jobs = {j["path"]: j for j in daemon.ctl("queue")["jobs"]}
-        time.sleep(0.3)
-    assert set(jobs) == wanted, (jobs, daemon.tail())
+
+    def all_accepted() -> bool:
+        jobs.clear()
+        jobs.update({j["path"]: j for j in daemon.ctl("queue")["jobs"]})
+        return set(jobs) == wanted
+
+    wait_until(all_accepted, 60, f"jobs {sorted(wanted)}", every=0.3, context=daemon.tail)
 
     status = daemon.ctl("status")
     assert status["daemon"]["degraded"] == [], status["tasks"]
