@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from control_harness import RecordingDaemon, ServerThread
+from waiting import wait_until
 
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer, ControlSocketError, ControlSocketInUse
@@ -205,10 +206,8 @@ def test_slow_handler_does_not_block_other_clients(server: ServerThread) -> None
     """While one client waits on ``drain --wait``, others get status answers promptly."""
     waiter = connect(server.path, timeout=10)
     waiter.sendall(encode_request("drain", {"wait": True}, id=1))
-    deadline = time.monotonic() + 5
-    while ("drain", {"wait": True}) not in server.daemon.calls:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: ("drain", {"wait": True}) in server.daemon.calls, 5, "drain called",
+               every=0.01)
     latencies = []
     for _ in range(5):
         with connect(server.path) as sock:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from control_harness import ServerThread
+from waiting import exited, wait_until
 
 from chandrad import config as config_module
 from chandrad.ctl import client
@@ -163,10 +164,8 @@ def test_reload_wait_blocks_until_the_daemon_answers(server: ServerThread) -> No
     proc = subprocess.Popen([sys.executable, "-m", "chandrad.ctl.main", "--socket",
                              str(server.path), "reload", "--wait", "--json"],
                             stdout=subprocess.PIPE, text=True, cwd="/")
-    deadline = time.monotonic() + 15
-    while ("reload", {"wait": True}) not in server.daemon.calls:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    wait_until(lambda: ("reload", {"wait": True}) in server.daemon.calls, 15, "reload called",
+               every=0.05, gone=exited(proc))
     time.sleep(0.3)
     assert proc.poll() is None, "still waiting for the daemon"
     server.release()
