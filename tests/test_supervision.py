@@ -322,10 +322,8 @@ def test_reload_with_engine_change_keeps_the_watchdog_fed(
         assert len(during) >= 8 and max(gaps) < 2.0, (len(during), gaps)
         statuses = b"".join(m for _, m in received[mark:])
         assert b"reload: checking the new engine flags" in statuses
-        deadline = time.monotonic() + 30
-        while len(spawns(folder)) < 2:
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_until(lambda: len(spawns(folder)) >= 2, 30, "second spawn", gone=exited(proc),
+                   context=lambda: log.read_text()[-3000:])
         wait_engine(sock, proc, log, "ready")
         checks = [e["behaviour"] for e in events(folder) if e["what"] == "check_flags"]
         assert checks == ["ok", "sleep:6"], checks  # the reload's check serves the spawn
@@ -344,13 +342,12 @@ def foreign_server(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([str(other), "-m", "vllm.entrypoints.openai.api_server",
                              "--port", str(port), "--served-model-name", "chandra"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
+    def listening() -> bool:
         with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        assert time.monotonic() < deadline, "foreign server did not listen"
-        time.sleep(0.1)
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(listening, 20, "foreign server listening", every=0.1, gone=exited(proc))
+    return proc
 
 
 def test_port_held_by_a_foreign_server_is_a_failure_not_ready(
