@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import io
 import math
 import multiprocessing
 import os
@@ -48,7 +47,7 @@ if TYPE_CHECKING:
 # PyMuPDF (~130 MB resident) and chandra.model (~55 MB, it pulls in openai) are imported
 # inside the functions that run in the worker processes, never in the daemon itself.
 
-from chandrad import ocr
+from chandrad import ocr, png
 from chandrad.errors import (
     DecompressionBomb,
     EmptyInput,
@@ -71,9 +70,6 @@ WIDE_GREY_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
 MAX_PDF_IMAGE_BYTES = 1 << 30
 #: Components per colour space, for the decoded-size estimate; unknown spaces count as 4.
 _COMPONENTS = {"DeviceGray": 1, "CalGray": 1, "Indexed": 1, "DeviceRGB": 3, "CalRGB": 3}
-#: PNG compression for page images: level 1 is several times faster than the default
-#: and the pixels are the same; pages only travel over the loopback to the engine.
-PNG_COMPRESS_LEVEL = 1
 _SNIFF_BYTES = 1024
 #: Pillow's own decompression-bomb limit (it raises above twice MAX_IMAGE_PIXELS).
 _MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 0) or 1 << 31
@@ -93,7 +89,8 @@ class DocumentInfo:
 
 @dataclass(frozen=True)
 class RenderedPage:
-    """One page as sent to the model: a PNG and its pixel size."""
+    """One page as sent to the model: a PNG (8-bit RGB, or greyscale for a greyscale
+    source) and its pixel size."""
 
     index: int  # 0-based
     png: bytes
@@ -267,9 +264,9 @@ def _check_pdf_images(path: Path, page: pymupdf.Page) -> None:
 
 
 def _encode_png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
-    return buf.getvalue()
+    if img.mode not in png.MODES:
+        img = img.convert("RGB")
+    return png.encode(img.tobytes(), img.width, img.height, img.mode)
 
 
 def _final(index: int, img: Image.Image, max_pixels: int) -> RenderedPage:
@@ -310,9 +307,13 @@ def _render_pdf_page(
             pix = page.get_pixmap(matrix=matrix, colorspace=pymupdf.csRGB, alpha=False)
         except Exception as exc:
             raise InputError(f"{path.name}: page {index + 1} cannot be rendered: {exc}") from exc
-        img = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        if img.size != (width, height):  # MuPDF rounds the pixmap box outward by a pixel
-            img = img.resize((width, height), Image.Resampling.LANCZOS)
+        if (pix.width, pix.height) == (width, height):  # the normal case: no copy
+            return RenderedPage(index=index, width=width, height=height, png=png.encode(
+                pix.samples_mv, width, height, "RGB", stride=pix.stride))
+        # MuPDF rounds the pixmap box outward by a pixel.
+        img = Image.frombuffer("RGB", (pix.width, pix.height), pix.samples_mv, "raw", "RGB",
+                               pix.stride, 1)
+        img = img.resize((width, height), Image.Resampling.LANCZOS)
         return _final(index, img, max_pixels)
     finally:
         doc.close()
@@ -336,9 +337,18 @@ def _wide_grey_to_l(img: Image.Image) -> Image.Image:
     return grey.point(lambda v: v * scale - lo * scale).convert("L")
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
+def _to_page_mode(img: Image.Image) -> Image.Image:
+    """The frame as 8-bit ``L`` (greyscale sources: bilevel, 8-bit and wider grey) or
+    ``RGB`` (everything else; transparency over white).
+
+    A grey page stays one channel: resampling and PNG-encoding one channel costs a third
+    of three, and the engine converts it to RGB on load (vLLM's ``image_mode``), which
+    gives exactly the pixels of converting first (each channel is resampled alike).
+    """
     if img.mode in WIDE_GREY_MODES:
         img = _wide_grey_to_l(img)
+    if img.mode in ("1", "L"):
+        return img.convert("L")  # bilevel: 0/255, as its RGB conversion; LANCZOS, not NEAREST
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -418,7 +428,7 @@ def _render_image_page(
             if img.format == "JPEG":  # let libjpeg decode at 1/2, 1/4 or 1/8 when that suffices
                 img.draft("RGB", (height, width) if turned else (width, height))
             oriented = ImageOps.exif_transpose(img)
-            rgb = _to_rgb(oriented)
+            pixels = _to_page_mode(oriented)
         except Image.DecompressionBombError as exc:
             raise DecompressionBomb(f"{path.name}: refused as a decompression bomb: {exc}") from exc
         except (OSError, ValueError, SyntaxError, EOFError) as exc:
@@ -426,9 +436,9 @@ def _render_image_page(
                 f"{path.name}: page {index + 1} image data cannot be decoded "
                 f"(truncated or corrupt): {exc}"
             ) from exc
-    if rgb.size != (width, height):
-        rgb = rgb.resize((width, height), Image.Resampling.LANCZOS)
-    return _final(index, rgb, max_pixels)
+    if pixels.size != (width, height):
+        pixels = pixels.resize((width, height), Image.Resampling.LANCZOS)
+    return _final(index, pixels, max_pixels)
 
 
 def render_page(

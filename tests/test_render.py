@@ -61,7 +61,7 @@ def _check_page(page: RenderedPage, index: int) -> None:
     assert page.png.startswith(PNG_SIGNATURE)
     with Image.open(io.BytesIO(page.png)) as img:
         assert img.size == (page.width, page.height)
-        assert img.mode == "RGB"
+        assert img.mode in ("RGB", "L")
     assert page.width * page.height <= MAX_PIXELS
     assert page.width % 28 == 0 and page.height % 28 == 0
     assert min(page.width, page.height) >= MIN_SIDE

@@ -1,0 +1,81 @@
+"""PNG encoding of page images: the bytes the engine decodes, made cheaply.
+
+Owns how a page's pixels become a PNG. A page PNG travels only over the loopback to the
+engine, which decodes it straight away, so what matters is the CPU it costs here, not
+its size. Pillow's encoder spends most of its time choosing a row filter (about 60 ms for
+a 3.5-megapixel page even at ``compress_level=0``) and then in zlib; here every row gets
+filter 0 ("None") and the deflate stream comes from ISA-L (``isal``, level 1), about
+three times faster than zlib level 1 at a similar size. The pixels decoded from the
+PNG are exactly the pixels given (lossless; asserted in ``tests/test_render.py``).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from isal import isal_zlib
+
+#: ISA-L's deflate level (0..3). 1 is as fast as 0 and 10-50 % smaller.
+DEFLATE_LEVEL = 1
+_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: Pillow mode → (bytes per pixel, PNG colour type).
+_MODES = {"L": (1, 0), "RGB": (3, 2)}
+MODES = frozenset(_MODES)
+
+
+def _chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(
+        ">I", zlib.crc32(data, zlib.crc32(tag)))
+
+
+def encode(pixels: bytes | memoryview, width: int, height: int, mode: str,
+           stride: int = 0) -> bytes:
+    """8-bit ``L`` or ``RGB`` pixels (rows ``stride`` bytes apart, default packed) → PNG."""
+    if mode not in _MODES:
+        raise ValueError(f"cannot encode mode {mode!r} (only {', '.join(sorted(_MODES))})")
+    channels, colour_type = _MODES[mode]
+    row = width * channels
+    stride = stride or row
+    view = memoryview(pixels).cast("B")
+    if width <= 0 or height <= 0 or stride < row or len(view) < stride * (height - 1) + row:
+        raise ValueError(f"{len(view)} bytes do not hold {width}x{height} {mode} "
+                         f"with rows {stride} bytes apart")
+    none_filter = b"\x00"
+    # One copy of the pixels: each row behind its filter byte, in one buffer.
+    scanlines = b"".join([part for y in range(0, height * stride, stride)
+                          for part in (none_filter, view[y:y + row])])
+    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
+    return b"".join((_SIGNATURE, _chunk(b"IHDR", header),
+                     _chunk(b"IDAT", isal_zlib.compress(scanlines, DEFLATE_LEVEL)),
+                     _chunk(b"IEND", b"")))
+
+
+def decode(data: bytes) -> tuple[str, int, int, memoryview, int] | None:
+    """Pixels of a PNG that :func:`encode` wrote: ``(mode, width, height, pixels, stride)``,
+    with ``pixels`` starting at the first pixel and rows ``stride`` bytes apart (each row
+    is preceded by its filter byte). ``None`` for any other PNG (filters, palette, 16-bit,
+    interlace, several IDAT chunks): decode that with Pillow.
+
+    One inflate (ISA-L) and no unfiltering: several times cheaper than Pillow's decoder.
+    """
+    if not data.startswith(_SIGNATURE) or data[12:16] != b"IHDR":
+        return None
+    width, height, depth, colour_type, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    modes = {c: (m, n) for m, (n, c) in _MODES.items()}
+    if depth != 8 or interlace or colour_type not in modes:
+        return None
+    mode, channels = modes[colour_type]
+    idat_at = 8 + 25  # signature, IHDR chunk (length, tag, 13 bytes, crc)
+    (length,) = struct.unpack(">I", data[idat_at:idat_at + 4])
+    if data[idat_at + 4:idat_at + 8] != b"IDAT" or data[idat_at + 12 + length + 4:
+                                                       idat_at + 12 + length + 8] != b"IEND":
+        return None
+    try:
+        raw = isal_zlib.decompress(data[idat_at + 8:idat_at + 8 + length])
+    except Exception:  # isal_zlib.error (untyped): corrupt, so not ours; Pillow will say
+        return None
+    stride = width * channels + 1
+    if len(raw) != stride * height or raw[::stride].count(0) != height:
+        return None  # filtered rows: not ours
+    return mode, width, height, memoryview(raw)[1:], stride

@@ -1,0 +1,117 @@
+"""Tests for chandrad.png and the cheaper render/post-processing paths built on it: the
+pixels the engine decodes and the outputs made from the engine's answer are exactly those
+of the Pillow path they replace (Pillow-encoded RGB PNGs, LANCZOS in RGB, full decode)."""
+
+# PyMuPDF is untyped.
+# mypy: disable-error-code="no-untyped-call"
+
+from __future__ import annotations
+
+import io
+import random
+
+import pymupdf
+import pytest
+from chandra.settings import settings as chandra_settings
+from conftest import CORPUS_DIR
+from PIL import Image
+from tiny_model import PLANTED_TEXT
+
+from chandrad import ocr, png
+from chandrad.render import fit_size, render_page
+
+MAX_PIXELS = 6291456
+
+
+def _pillow_png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _rgb(data: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB"])
+def test_encode_is_lossless_and_decode_reads_it_back(mode: str) -> None:
+    rng = random.Random(7)
+    width, height = 37, 23
+    channels = len(mode)
+    pixels = bytes(rng.randrange(256) for _ in range(width * height * channels))
+    data = png.encode(pixels, width, height, mode)
+    with Image.open(io.BytesIO(data)) as img:
+        assert (img.mode, img.size) == (mode, (width, height))
+        assert img.tobytes() == pixels
+    decoded = png.decode(data)
+    assert decoded is not None
+    got_mode, w, h, view, stride = decoded
+    assert (got_mode, w, h) == (mode, width, height)
+    rows = b"".join(bytes(view[y * stride:y * stride + width * channels]) for y in range(h))
+    assert rows == pixels
+
+
+def test_encode_honours_a_stride_and_refuses_short_buffers() -> None:
+    rows = [bytes([y] * 6) + b"\xee\xee" for y in range(4)]  # 2 RGB pixels + 2 padding bytes
+    data = png.encode(b"".join(rows), 2, 4, "RGB", stride=8)
+    assert _rgb(data).tobytes() == b"".join(r[:6] for r in rows)
+    with pytest.raises(ValueError):
+        png.encode(b"\x00" * 10, 2, 4, "RGB")
+    with pytest.raises(ValueError):
+        png.encode(b"\x00" * 100, 2, 4, "RGBA")
+
+
+def test_decode_leaves_other_pngs_to_pillow() -> None:
+    img = Image.new("RGB", (40, 30), (10, 200, 30))
+    img.putpixel((5, 5), (0, 0, 0))
+    assert png.decode(_pillow_png(img)) is None  # Pillow filters its rows
+    assert png.decode(b"not a png") is None
+
+
+@pytest.mark.parametrize("name", [
+    "digital_federal-register_15p.pdf",  # PDF: rasterised at the size, encoded from MuPDF
+    "image_multipage-fax-g3_3p.tif",  # bilevel: resampled in one channel
+    "image_numeric-table-scan.tif",
+    "image_brochure-colour-300dpi_linn.jpg",  # colour JPEG
+    "image_hi-devanagari.png",
+])
+def test_page_pixels_are_those_of_the_pillow_rgb_path(name: str) -> None:
+    """What the engine decodes (as RGB, vLLM's image_mode) equals the former path: the
+    page converted to RGB, LANCZOS-resized in RGB, encoded by Pillow."""
+    path = CORPUS_DIR / "good" / name
+    page = render_page(path, 0, None, MAX_PIXELS)
+    if path.suffix == ".pdf":
+        doc = pymupdf.open(path)
+        pdf_page = doc[0]
+        rect = pdf_page.rect
+        scale = chandra_settings.IMAGE_DPI / 72
+        width, height = fit_size(rect.width * scale, rect.height * scale,
+                                 chandra_settings.MIN_PDF_IMAGE_DIM, MAX_PIXELS)
+        pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(width / rect.width, height / rect.height),
+                                  colorspace=pymupdf.csRGB, alpha=False)
+        expected = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+        doc.close()
+    else:
+        with Image.open(path) as src:
+            rgb = src.convert("RGB")
+        width, height = fit_size(rgb.width, rgb.height, chandra_settings.MIN_IMAGE_DIM,
+                                 MAX_PIXELS)
+        expected = rgb.resize((width, height), Image.Resampling.LANCZOS)
+    assert (page.width, page.height) == expected.size
+    assert _rgb(page.png).tobytes() == _rgb(_pillow_png(expected)).tobytes()
+
+
+def test_postprocessing_of_our_png_equals_that_of_a_pillow_png() -> None:
+    """Same answer, same pixels → same Markdown, HTML, blocks and image crops, whether the
+    page PNG is ours (decoded lazily, by chandrad.png) or one Pillow wrote."""
+    page = render_page(CORPUS_DIR / "good" / "scan_book-page_c02-22.pdf", 0, None, MAX_PIXELS)
+    pillow = _pillow_png(_rgb(page.png))
+    ours = ocr.parse_page(PLANTED_TEXT, page.png, include_images=True,
+                          include_headers_footers=False)
+    theirs = ocr.parse_page(PLANTED_TEXT, pillow, include_images=True,
+                            include_headers_footers=False)
+    assert ours.images, "the planted answer has a Figure: a crop is expected"
+    assert (ours.markdown, ours.html, ours.blocks, ours.notes) == (
+        theirs.markdown, theirs.html, theirs.blocks, theirs.notes)
+    assert ours.images == theirs.images
