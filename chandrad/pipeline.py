@@ -6,8 +6,11 @@ turns answers into Markdown/HTML/blocks, ``outputs`` writes files. Stages are sm
 functions; :meth:`Pipeline.run_job` composes them.
 
 Saturation: page tasks render ahead of inference inside a window of
-``capacity + 2 × render workers`` live pages, and in-flight requests follow the
-engine's capacity (``max_num_seqs`` and ``/metrics``), not a fixed batch.
+``capacity + 3 × render workers`` live pages (rendering, rendered and waiting for a
+request slot, post-processing: one worker's worth each beyond the requests), and
+in-flight requests follow the engine's capacity (``max_num_seqs`` plus headroom, and
+``/metrics``), not a fixed batch. As many jobs run as the window has pages, so a
+backlog of one-page files fills the engine as well as one long PDF does.
 Durability: every page result is committed to the store before it counts, so a
 restart resumes at page granularity and outputs are rebuilt from the store.
 
@@ -154,7 +157,9 @@ class DynamicLimiter:
     async def release(self) -> None:
         async with self._cond:
             self.in_use -= 1
-            self._cond.notify_all()
+            # One slot came free: wake one waiter, not all (a 1,000-page job has ~1,000
+            # page tasks waiting here). If the limit shrank it waits again, as would all.
+            self._cond.notify(1)
 
     async def poke(self) -> None:
         """Re-evaluate waiters after the limit changed."""
@@ -194,7 +199,7 @@ class Pipeline:
         self.dispatching.set()
         self.accepting = True
         self._inflight = DynamicLimiter(self._request_limit)
-        self._window = DynamicLimiter(lambda: self._request_limit() + 2 * self.workers)
+        self._window = DynamicLimiter(self._window_limit)
         self._active: dict[int, asyncio.Task[None]] = {}
         self._active_paths: dict[int, Path] = {}
         self._backoff: dict[int, _Backoff] = {}
@@ -210,6 +215,11 @@ class Pipeline:
         if self.config.ocr.max_in_flight:
             return self.config.ocr.max_in_flight
         return self.engine.capacity
+
+    def _window_limit(self) -> int:
+        """Live pages: the requests, plus per render worker one page rendering, one
+        rendered and waiting for a request slot, one being post-processed."""
+        return self._request_limit() + 3 * self.workers
 
     # ------------------------------------------------------------ intake
     def submit(self, watch_index: int, root: Path, path: Path, size: int, mtime: float) -> None:
@@ -315,7 +325,9 @@ class Pipeline:
             await self._inflight.poke()
 
     def _job_slots(self) -> int:
-        return max(2, self._request_limit() // 2)
+        """Jobs running at once: as many as the window has pages (one-page files fill
+        it as well as a long document), at least 2."""
+        return max(2, self._window_limit())
 
     def _watches_by_root(self) -> dict[Path, WatchConfig]:
         """Configured watches by their input folder as the watcher resolves it (the

@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import os
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -479,6 +480,43 @@ def _worker_init(parent: int) -> None:
     pymupdf.TOOLS.mupdf_display_warnings(False)
 
 
+class _Slots:
+    """One slot per worker, handed out first to urgent calls, then in arrival order.
+
+    Post-processing is urgent: it finishes a page the engine has already answered (and
+    gives back the page's place in the pipeline's window), so it must not queue behind
+    renders of pages that are not needed yet.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.free = slots
+        self._waiting: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (
+            deque(), deque())  # (urgent, others)
+
+    async def acquire(self, urgent: bool) -> None:
+        if self.free > 0 and not any(self._waiting):
+            self.free -= 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[0 if urgent else 1].append(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # the slot was handed over just as we were cancelled
+            raise
+
+    def release(self) -> None:
+        """Hand the slot to the next waiter (urgent first), or free it."""
+        for queue in self._waiting:
+            while queue:
+                future = queue.popleft()
+                if not future.done():
+                    future.set_result(None)
+                    return
+        self.free += 1
+
+
 class RenderPool:
     """Runs :func:`probe` and :func:`render_page` in a pool of spawned worker processes.
 
@@ -487,7 +525,8 @@ class RenderPool:
     the affected call raises :class:`RenderCrashed` or :class:`RenderTimeout`.
 
     A call is handed to the pool only when a worker is free, so ``timeout`` times the
-    work, never the wait for a worker. Calls that were running on a pool killed because
+    work, never the wait for a worker; a free worker goes to post-processing before
+    rendering (:class:`_Slots`). Calls that were running on a pool killed because
     *another* call overran its timeout are innocent: they run again on the new pool
     (up to :data:`MAX_INNOCENT_RERUNS` times) instead of failing.
     """
@@ -497,7 +536,7 @@ class RenderPool:
         self.timeout = timeout
         self._context = multiprocessing.get_context("spawn")
         self._executor: ProcessPoolExecutor | None = None
-        self._free: asyncio.Semaphore | None = None
+        self._free: _Slots | None = None
         self._free_loop: asyncio.AbstractEventLoop | None = None
         #: Pools killed on purpose (a call overran its timeout), not broken by a crash.
         self._killed: weakref.WeakSet[ProcessPoolExecutor] = weakref.WeakSet()
@@ -523,17 +562,19 @@ class RenderPool:
             if proc.is_alive():
                 proc.kill()
 
-    def _slots(self, loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
-        """One slot per worker (a semaphore belongs to one event loop; tests use several)."""
+    def _slots(self, loop: asyncio.AbstractEventLoop) -> _Slots:
+        """One slot per worker (futures belong to one event loop; tests use several)."""
         if self._free is None or self._free_loop is not loop:
-            self._free, self._free_loop = asyncio.Semaphore(self.workers), loop
+            self._free, self._free_loop = _Slots(self.workers), loop
         return self._free
 
-    async def _run(self, what: str, fn: Any, *args: Any) -> Any:
+    async def _run(self, what: str, fn: Any, *args: Any, urgent: bool = False) -> Any:
         loop = asyncio.get_running_loop()
         reruns = 0
         while True:
-            async with self._slots(loop):
+            slots = self._slots(loop)
+            await slots.acquire(urgent)
+            try:
                 executor = self._pool()
                 future = loop.run_in_executor(executor, fn, *args)
                 try:
@@ -553,6 +594,8 @@ class RenderPool:
                     self._recycle(executor)
                     raise RenderCrashed(
                         f"{what}: render worker died (crash or out of memory)") from exc
+            finally:
+                slots.release()
 
     async def render(
         self, path: Path, index: int, min_side_px: int | None, max_pixels: int
@@ -573,7 +616,7 @@ class RenderPool:
             "post-processing", functools.partial(
                 ocr.postprocess, include_images=include_images,
                 include_headers_footers=include_headers_footers),
-            text, finish_reason, page_png)
+            text, finish_reason, page_png, urgent=True)
         return result
 
     async def probe(self, path: Path, max_pages: int) -> DocumentInfo:

@@ -481,3 +481,33 @@ def test_images_get_chandras_minimum(tmp_path: Path) -> None:
     ours = render_page(small, 0, None, MAX_PIXELS)
     assert (ours.width, ours.height) == scale_to_fit(load_image(str(small))).size
     assert min(ours.width, ours.height) >= 1536 - 28
+
+
+def test_worker_slots_go_to_post_processing_before_renders() -> None:
+    """A free worker goes to an urgent call (post-processing of an answered page) before
+    renders that queued earlier; a waiter cancelled as the slot reaches it passes it on."""
+    from chandrad.render import _Slots
+
+    async def scenario() -> list[str]:
+        slots = _Slots(1)
+        order: list[str] = []
+        await slots.acquire(urgent=False)  # the one worker is busy
+
+        async def call(name: str, urgent: bool) -> None:
+            await slots.acquire(urgent)
+            order.append(name)
+            slots.release()
+
+        renders = [asyncio.create_task(call(f"render{i}", False)) for i in range(3)]
+        await asyncio.sleep(0)
+        doomed = asyncio.create_task(call("cancelled", True))
+        await asyncio.sleep(0)
+        post = asyncio.create_task(call("postprocess", True))
+        await asyncio.sleep(0)
+        slots.release()  # hands the slot to `doomed`, which is cancelled before it runs
+        doomed.cancel()
+        await asyncio.gather(*renders, post, return_exceptions=True)
+        assert slots.free == 1
+        return order
+
+    assert asyncio.run(scenario()) == ["postprocess", "render0", "render1", "render2"]
