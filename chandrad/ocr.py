@@ -20,6 +20,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from chandra.prompts import PROMPT_MAPPING
@@ -44,6 +45,24 @@ _CHANDRA_MAX_SIZE = (3072, 2048)
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: Encoder effort for WebP image crops (0 fastest .. 6 smallest; Pillow's default is 4).
 WEBP_METHOD = 0
+
+
+@functools.cache
+def chandra_util() -> ModuleType:
+    """``chandra.model.util`` (``scale_to_fit``, ``detect_repeat_token``; it imports only
+    Pillow), loaded from its file on its own: importing it as ``chandra.model.util`` first
+    runs ``chandra/model/__init__.py``, which imports chandra's HF and vLLM clients and
+    openai, ~20 MB resident in every render worker for code chandrad never calls."""
+    spec = importlib.util.find_spec("chandra")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("chandra-ocr is not installed")
+    source = Path(spec.origin).with_name("model") / "util.py"
+    util_spec = importlib.util.spec_from_file_location("chandrad._chandra_model_util", source)
+    if util_spec is None or util_spec.loader is None:
+        raise RuntimeError(f"cannot load {source}")
+    module = importlib.util.module_from_spec(util_spec)
+    util_spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
@@ -87,9 +106,9 @@ def _png_size(png: bytes) -> tuple[int, int]:
 
 def _as_sent(page_png: bytes) -> bytes:
     """The PNG Chandra's client would send: ``scale_to_fit`` applied if it changes anything."""
-    from chandra.model.util import scale_to_fit
     from PIL import Image
 
+    scale_to_fit = chandra_util().scale_to_fit
     image = Image.open(io.BytesIO(page_png))
     fitted = scale_to_fit(image, max_size=_CHANDRA_MAX_SIZE)
     if fitted is image:
@@ -214,8 +233,7 @@ def retry_reason(text: str, finish_reason: str | None) -> str | None:
     Chandra: the cut-off text is kept and the page is marked truncated.
     """
     del finish_reason  # kept in the signature: the caller passes what the engine said
-    from chandra.model.util import detect_repeat_token
-
+    detect_repeat_token = chandra_util().detect_repeat_token
     if detect_repeat_token(text) or (len(text) > 50 and detect_repeat_token(text, cut_from_end=50)):
         return "repetition"
     return None

@@ -194,7 +194,7 @@ class Pipeline:
         self.store = store
         self.engine = engine
         self.render = render
-        self.workers = config.ocr.render_workers or os.cpu_count() or 1
+        self.workers = render.workers
         self.dispatching = asyncio.Event()
         self.dispatching.set()
         self.accepting = True

@@ -45,8 +45,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 if TYPE_CHECKING:
     import pymupdf
 
-# PyMuPDF (~130 MB resident) and chandra.model (~55 MB, it pulls in openai) are imported
-# inside the functions that run in the worker processes, never in the daemon itself.
+# PyMuPDF (~125 MB resident) and chandra's util/output (~30 MB) are imported inside the
+# functions that run in the worker processes, never in the daemon itself.
 
 from chandrad import ocr, png
 from chandrad.errors import (
@@ -125,9 +125,7 @@ def fit_size(width: float, height: float, min_side_px: int, max_pixels: int) -> 
     scale = max(1.0, min_side_px / min(width, height))
     w = max(1, int(width * scale))
     h = max(1, int(height * scale))
-    from chandra.model.util import scale_to_fit
-
-    result = scale_to_fit(_SizeProbe(w, h), max_size=(max_pixels, 1))
+    result = ocr.chandra_util().scale_to_fit(_SizeProbe(w, h), max_size=(max_pixels, 1))
     if isinstance(result, _SizeProbe):  # unchanged: already on the grid and in budget
         return result.size
     return (int(result[0]), int(result[1]))
@@ -272,9 +270,7 @@ def _encode_png(img: Image.Image) -> bytes:
 
 def _final(index: int, img: Image.Image, max_pixels: int) -> RenderedPage:
     # A no-op when the size is already what scale_to_fit wants (the normal case).
-    from chandra.model.util import scale_to_fit
-
-    img = scale_to_fit(img, max_size=(max_pixels, 1))
+    img = ocr.chandra_util().scale_to_fit(img, max_size=(max_pixels, 1))
     return RenderedPage(index=index, png=_encode_png(img), width=img.width, height=img.height)
 
 
@@ -467,8 +463,40 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
+#: glibc mallopt(M_MMAP_THRESHOLD): fixed, so a page's large buffers are mapped and
+#: unmapped each time instead of the threshold growing and the heap keeping them.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _release_memory() -> None:
+    """After each call in a worker: empty MuPDF's resource store (decoded images and
+    fonts of documents already closed; it would grow to 256 MB) and hand freed heap back
+    to the kernel, so a worker's RSS stays near its imports (bench/README.md)."""
+    import pymupdf
+
+    pymupdf.TOOLS.store_shrink(100)
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().malloc_trim(0)
+
+
+def _in_worker(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    finally:
+        _release_memory()
+
+
 def _worker_init(parent: int) -> None:
     _die_with_parent()
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
     if os.getppid() != parent:
         # The daemon died before the signal was armed (the spawn bootstrap can take
         # seconds): nothing will ever be asked of this worker, so leave now.
@@ -532,7 +560,9 @@ class RenderPool:
     """
 
     def __init__(self, workers: int = 0, timeout: float = 300.0) -> None:
-        self.workers = workers if workers > 0 else (os.cpu_count() or 1)
+        # 0: one per CPU this process may run on (its affinity: systemd CPUAffinity=,
+        # taskset), not every CPU of the host.
+        self.workers = workers if workers > 0 else max(1, len(os.sched_getaffinity(0)))
         self.timeout = timeout
         self._context = multiprocessing.get_context("spawn")
         self._executor: ProcessPoolExecutor | None = None
@@ -576,7 +606,7 @@ class RenderPool:
             await slots.acquire(urgent)
             try:
                 executor = self._pool()
-                future = loop.run_in_executor(executor, fn, *args)
+                future = loop.run_in_executor(executor, _in_worker, fn, *args)
                 try:
                     return await asyncio.wait_for(future, self.timeout)
                 except TimeoutError as exc:
