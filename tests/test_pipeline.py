@@ -60,6 +60,9 @@ class StandinEngine:
     default: Reply = field(default_factory=Reply)
     requests: list[tuple[float, int]] = field(default_factory=list)  # (time, width)
     server: ThreadingHTTPServer | None = None
+    held: int = 0  # chat requests being answered now
+    held_max: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
@@ -100,7 +103,14 @@ class StandinEngine:
                 width = _png_width(body)
                 standin.requests.append((time.monotonic(), width))
                 reply = standin.replies.get(width, standin.default)
-                time.sleep(reply.delay)
+                with standin._lock:
+                    standin.held += 1
+                    standin.held_max = max(standin.held_max, standin.held)
+                try:
+                    time.sleep(reply.delay)
+                finally:
+                    with standin._lock:
+                        standin.held -= 1
                 if reply.status != 200:
                     self._send(reply.status, b'{"error": "stand-in failure"}')
                     return
@@ -177,7 +187,7 @@ def folders(root: Path, name: str) -> Folders:
 
 
 def write_config(root: Path, standin: StandinEngine, watches: list[Folders],
-                 **ocr: Any) -> Config:
+                 engine_lines: str = "", **ocr: Any) -> Config:
     # min_side_px fixed: the stand-in tells pages apart by their rendered width, and
     # "auto" renders images at Chandra's 1536 px minimum.
     ocr_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in
@@ -199,7 +209,7 @@ state_dir = "{root / 'state'}"
 url = "{standin.url}"
 served_model_name = "{MODEL}"
 model = "{MODEL}"
-
+{engine_lines}
 [ocr]
 {ocr_lines}
 """)
@@ -665,3 +675,30 @@ def test_a_failing_page_cancels_its_siblings(tmp_path: Path, standin: StandinEng
             assert standin.widths().count(1148) == 1
 
     run_async(body)
+
+
+# ----------------------------------------------------------------- issue 11
+
+
+def test_one_page_files_keep_the_engine_batch_full(tmp_path: Path,
+                                                   standin: StandinEngine) -> None:
+    """While rendered pages wait, the engine holds at least its ``max_num_seqs`` requests
+    (issue 11). 40 one-page files and an engine that takes 2 s a page: one-page jobs must
+    fill the batch as a long PDF does (it held 10 of 16 when jobs were capped at half the
+    capacity); the stand-in counts the requests it holds at once."""
+    seqs = 16
+    watch = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [watch],
+                          engine_lines=f"[engine.memory]\nmax_num_seqs = {seqs}\n")
+    standin.default = Reply(delay=2.0)
+    files = [make_image(watch.input / f"p{i:02d}.png", text=f"page {i}") for i in range(40)]
+
+    async def body() -> None:
+        async with running(config) as run:
+            jobs = [accept(run.store, watch, f) for f in files]
+            run.pipeline._wake.set()
+            for job in jobs:
+                assert (await run.wait_finished(job.id, timeout=120)).state is JobState.DONE
+
+    run_async(body)
+    assert standin.held_max >= seqs, (standin.held_max, seqs)
