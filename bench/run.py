@@ -13,7 +13,7 @@ test model (``tests/tiny_model.py``) and the documents in ``tests/corpus/good/``
    throughput on all files dropped at once, daemon RSS and idle CPU;
 6. the ``chandra`` CLI (chandra-ocr 0.2.0, ``--method vllm``) on the same engine/files.
 
-Two shapes (``--shape``): ``shared`` (everything on every core, the small-box case) and
+Two shapes (``--shape``): ``all-cores`` (everything on every core, the small-box case) and
 ``gpu`` (the shape of a GPU server: the engine pinned to ``--engine-cpus``, this process
 and so the render pool, the daemon and the CLI pinned to ``--chandrad-cpus``).
 
@@ -682,7 +682,7 @@ def main() -> int:
     parser.add_argument("--skip", action="append", default=[],
                         choices=("backlog", "cli", "chandrad"), help="leave a part out")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
-    parser.add_argument("--shape", choices=("shared", "gpu"), default="shared",
+    parser.add_argument("--shape", choices=("all-cores", "gpu"), default="all-cores",
                         help="gpu: engine pinned to --engine-cpus, the rest (render pool, "
                              "daemon, CLI, direct client) to --chandrad-cpus")
     parser.add_argument("--engine-cpus", default="1", help="with --shape gpu (e.g. 1 or 2,3)")

@@ -85,4 +85,8 @@ def decode(data: bytes) -> tuple[str, int, int, memoryview, int] | None:
     stride = width * channels + 1
     if len(raw) != stride * height or raw[::stride].count(0) != height:
         return None  # filtered rows: not ours
-    return mode, width, height, memoryview(raw)[1:], stride
+    # Pillow maps an L image onto the buffer and wants a whole stride for the last row
+    # too: one byte more than the pixels after the first filter byte.
+    padded = bytearray(raw)
+    padded.append(0)
+    return mode, width, height, memoryview(padded)[1:], stride

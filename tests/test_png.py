@@ -102,10 +102,12 @@ def test_page_pixels_are_those_of_the_pillow_rgb_path(name: str) -> None:
     assert _rgb(page.png).tobytes() == _rgb(_pillow_png(expected)).tobytes()
 
 
-def test_postprocessing_of_our_png_equals_that_of_a_pillow_png() -> None:
+@pytest.mark.parametrize("name", ["scan_book-page_c02-22.pdf",  # an RGB page PNG
+                                  "image_multipage-fax-g3_3p.tif"])  # a greyscale one
+def test_postprocessing_of_our_png_equals_that_of_a_pillow_png(name: str) -> None:
     """Same answer, same pixels → same Markdown, HTML, blocks and image crops, whether the
     page PNG is ours (decoded lazily, by chandrad.png) or one Pillow wrote."""
-    page = render_page(CORPUS_DIR / "good" / "scan_book-page_c02-22.pdf", 0, None, MAX_PIXELS)
+    page = render_page(CORPUS_DIR / "good" / name, 0, None, MAX_PIXELS)
     pillow = _pillow_png(_rgb(page.png))
     ours = ocr.parse_page(PLANTED_TEXT, page.png, include_images=True,
                           include_headers_footers=False)
