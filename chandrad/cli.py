@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from chandrad import __version__, config, errors
-from chandrad.engine import command, launch
+from chandrad.engine import command, launch, replicas
 from chandrad.engine.profile import MemoryProfile, initial_profile
 
 _log = logging.getLogger("chandrad")
@@ -205,8 +205,18 @@ def _check_config(args: argparse.Namespace) -> int:
     sizing = gpu.sizing_gpu(gpus, engine.gpus)
     gib = sizing.memory_total / 2**30 if sizing is not None else None
     profile = initial_profile(engine.memory, gib)
-    cmd = command.build_engine_command(engine, profile, base_env=os.environ)
-    problems = command.validate_engine_args(cmd.flags)
+    plan_problems: list[errors.ConfigProblem] = []
+    try:  # the engines `run` would start here (engine/replicas.py); engine 0's command below
+        specs = replicas.plan_replicas(engine, [
+            replicas.GpuSlot(g.index, g.uuid, g.memory_total)
+            for g in gpu.select(gpus, engine.gpus)])
+    except errors.ConfigError as exc:
+        plan_problems = list(exc.problems)
+        specs = [replicas.ReplicaSpec("0", engine)]
+    first = specs[0]
+    cmd = command.build_engine_command(first.engine, profile, base_env=os.environ,
+                                       cpus=first.cpus)
+    problems = plan_problems + command.validate_engine_args(cmd.flags)
     problems += _model_problems(engine, path)
     warnings = _vllm_warnings(profile.chandra_launch)
     if preview and sizing is None:
@@ -221,7 +231,14 @@ def _check_config(args: argparse.Namespace) -> int:
                   f"{launch.chandra_gpu(gib)})")
     say(f"gpu memory: {memory}")
     say(f"starting profile: {json.dumps(_profile_summary(profile), sort_keys=True)}")
-    say("engine command:")
+    if len(specs) > 1:
+        say(f"engines: {len(specs)} ({engine.layout})")
+        for spec in specs:
+            say(f"  {spec.id}: {spec.url}  gpus {','.join(spec.gpus) or '-'}  "
+                f"cpus {spec.cpus or '-'}")
+        say("engine 0 command:")
+    else:
+        say("engine command:")
     say(f"  {shlex.join(cmd.argv)}")
     say("engine environment set by chandrad:")
     for name in sorted(cmd.env_added):
@@ -234,6 +251,8 @@ def _check_config(args: argparse.Namespace) -> int:
         report = {
             "engine": {"argv": list(cmd.argv), "env": dict(sorted(cmd.env_added.items()))},
             "profile": _profile_summary(profile),
+            "engines": [{"id": s.id, "url": s.url, "gpus": list(s.gpus), "cpus": s.cpus or None}
+                        for s in specs],
             "gpu": None if sizing is None else {
                 "memory_total": sizing.memory_total, "count": len(gpu.select(gpus, engine.gpus)),
                 "previewed": preview, "chandra_gpu": launch.chandra_gpu(gib or 0.0)},

@@ -126,6 +126,10 @@ class DownshiftConfig:
     upshift_after: float = 1800.0
 
 
+#: Field metadata of a value derived from another key (not a key of its own).
+DERIVED = "derived_from"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "datalab-to/chandra-ocr-2"
@@ -142,7 +146,20 @@ class EngineConfig:
     startup_timeout: float = 900.0
     stop_timeout: float = 30.0
     stable_seconds: float = 60.0
-    url: str = ""  # a remote engine: health-watched only, never supervised
+    url: str = ""  # a remote engine: health-watched only, never supervised (the first of urls)
+    #: Every remote engine when ``engine.url`` is a list (``(url,)`` for one; ``()``: local).
+    urls: tuple[str, ...] = field(default=(), metadata={DERIVED: "url"})
+    #: Local engines to run: 0 = one per GPU ``gpus`` selects (groups of
+    #: ``tensor_parallel_size``), 1 without GPUs (or one per ``cpu_affinity`` entry).
+    replicas: int = 0
+    #: Replica i runs pinned to CPU list i ("0", "2-3", "0,4"): the CPU stand-in for one
+    #: engine per GPU.
+    cpu_affinity: tuple[str, ...] = ()
+    #: GPUs per engine (vLLM ``--tensor-parallel-size``), for a model that does not fit one.
+    tensor_parallel_size: int = 1
+    #: "replicas": one supervised vLLM per GPU group; "data_parallel": one vLLM with
+    #: ``--data-parallel-size N`` over all of them.
+    layout: str = "replicas"
     api_key: str = ""
     exit_on_fatal: bool = False
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -529,6 +546,13 @@ def _downshift(r: _Reader) -> DownshiftConfig:
     return cfg
 
 
+#: The most local engines one daemon supervises (8 GPUs × a margin).
+MAX_REPLICAS = 64
+ENGINE_LAYOUTS = ("replicas", "data_parallel")
+#: A CPU list as taskset(1) takes it: "0", "2-3", "0,4-5".
+CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
 def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
     d = EngineConfig()
     env = r.get("env", (dict,), {})
@@ -539,6 +563,14 @@ def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
     if isinstance(command, str):
         command = command.split()
     r.seen.update({"memory", "downshift"})
+    urls = _urls(r)
+    affinity = r.strings("cpu_affinity", d.cpu_affinity)
+    for cpus in affinity:
+        if not CPU_LIST.fullmatch(cpus.replace(" ", "")):
+            r.problem("cpu_affinity", f"{cpus!r} is not a CPU list like \"0\", \"2-3\" or "
+                      "\"0,4\"", "config_type")
+            affinity = ()
+            break
     cfg = EngineConfig(
         model=r.get("model", (str,), d.model),
         served_model_name=r.get("served_model_name", (str,), d.served_model_name),
@@ -554,16 +586,63 @@ def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
         startup_timeout=r.number("startup_timeout", d.startup_timeout, 1, 86400),
         stop_timeout=r.number("stop_timeout", d.stop_timeout, 0.5, 3600),
         stable_seconds=r.number("stable_seconds", d.stable_seconds, 0, 86400),
-        url=r.get("url", (str,), d.url),
+        url=urls[0] if urls else "",
+        urls=urls,
+        replicas=r.number("replicas", d.replicas, 0, MAX_REPLICAS, True),
+        cpu_affinity=affinity,
+        tensor_parallel_size=r.number("tensor_parallel_size", d.tensor_parallel_size, 1, 64,
+                                      True),
+        layout=r.choice("layout", d.layout, ENGINE_LAYOUTS),
         api_key=r.get("api_key", (str,), d.api_key),
         exit_on_fatal=r.get("exit_on_fatal", (bool,), d.exit_on_fatal),
         memory=_memory(reader(raw.get("memory", {}), "engine.memory")),
         downshift=_downshift(reader(raw.get("downshift", {}), "engine.downshift")),
     )
     r.finish(OBSOLETE_ENGINE_KNOBS)
-    if cfg.url and not re.match(r"^https?://", cfg.url):
-        r.problem("url", f"{cfg.url!r} is not an http(s) URL")
+    _engine_layout_checks(r, cfg)
     return cfg
+
+
+def _urls(r: _Reader) -> tuple[str, ...]:
+    """``engine.url``: one URL, or a list of them (several remote engines)."""
+    raw = r.get("url", (str, list), "")
+    values = [raw] if isinstance(raw, str) else raw
+    if not all(isinstance(v, str) for v in values) or (isinstance(raw, list) and not raw):
+        r.problem("url", "expected an http(s) URL or a non-empty list of them", "config_type")
+        return ()
+    urls = tuple(v for v in values if v)
+    for url in urls:
+        if not re.match(r"^https?://", url):
+            r.problem("url", f"{url!r} is not an http(s) URL")
+            return ()
+    if len(set(urls)) != len(urls):
+        r.problem("url", "the same URL is listed twice")
+        return ()
+    return urls
+
+
+def _engine_layout_checks(r: _Reader, cfg: EngineConfig) -> None:
+    """Replicas, CPU pinning, tensor/data parallel and remote URLs that cannot go together."""
+    if cfg.urls and (cfg.replicas not in (0, len(cfg.urls)) or cfg.cpu_affinity
+                     or cfg.tensor_parallel_size != 1 or cfg.layout != "replicas"):
+        r.problem("url", "remote engines (engine.url) are not spawned: leave engine.replicas, "
+                  "cpu_affinity, tensor_parallel_size and layout at their defaults",
+                  "config_range")
+    if cfg.replicas and cfg.cpu_affinity and len(cfg.cpu_affinity) < cfg.replicas:
+        r.problem("cpu_affinity", f"{len(cfg.cpu_affinity)} CPU list(s) for "
+                  f"engine.replicas = {cfg.replicas}: give one per replica", "config_range")
+    if cfg.layout == "data_parallel" and cfg.cpu_affinity:
+        r.problem("cpu_affinity", "layout = \"data_parallel\" runs one process tree: pin it "
+                  "with the unit's CPUAffinity= instead", "config_range")
+    planned = max(cfg.replicas, len(cfg.cpu_affinity), 1)
+    if cfg.layout == "replicas" and cfg.port + planned - 1 > 65535:
+        r.problem("port", f"replica ports {cfg.port}..{cfg.port + planned - 1} go past 65535",
+                  "config_range")
+    for flag, key in (("--tensor-parallel-size", "tensor_parallel_size"),
+                      ("--data-parallel-size", "layout")):
+        if any(a == flag or a.startswith(flag + "=") for a in cfg.extra_args):
+            r.problem("extra_args", f"{flag} is set by engine.{key}; remove it from "
+                      "extra_args", "engine_flag_duplicate")
 
 
 def _control(r: _Reader, base: Path) -> ControlConfig:

@@ -27,9 +27,11 @@ from chandrad import gpu as nvml
 from chandrad.config import Config, engine_settings_changed, key_line, load_config
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
+from chandrad.engine.dispatch import Dispatcher
 from chandrad.engine.learned import installed_vllm_version
 from chandrad.engine.profile import GpuFacts
-from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.engine.replicas import GpuSlot, ReplicaSpec, plan_replicas
+from chandrad.engine.supervisor import EngineSupervisor, FlagChecks
 from chandrad.errors import (
     ChandradError,
     ConfigError,
@@ -115,7 +117,11 @@ class Daemon:
         self._drain_waiters: list[asyncio.Future[dict[str, Any]]] = []
         self.exit_code = ExitCode.OK
         self.store: Store | None = None
-        self.engine: EngineSupervisor | None = None
+        #: One supervisor per engine (engine/replicas.py plans them), engine 0 first; the
+        #: pipeline sees them through the dispatcher.
+        self.engines: list[EngineSupervisor] = []
+        self.dispatcher: Dispatcher | None = None
+        self.flag_checks = FlagChecks()  # one vLLM flag check for every replica
         self.pipeline: Pipeline | None = None
         self.watcher: FolderWatcher | None = None
         self.render: RenderPool | None = None
@@ -129,6 +135,11 @@ class Daemon:
         self._reload_task: asyncio.Task[None] | None = None
         self._reloads_waiting: list[_Command] = []
         self.reload_phase = ""
+
+    @property
+    def engine(self) -> EngineSupervisor | None:
+        """Engine 0 (the only one unless ``engine.replicas``/``cpu_affinity``/GPUs say more)."""
+        return self.engines[0] if self.engines else None
 
     # ------------------------------------------------------------ lifecycle
     def _set_state(self, new: DaemonState, reason: str = "") -> None:
@@ -144,6 +155,13 @@ class Daemon:
 
     def status_line(self) -> str:
         engine = self.engine.state.value if self.engine else "-"
+        if len(self.engines) > 1:
+            ready = sum(e.state is EngineState.READY for e in self.engines)
+            engine = f"{ready}/{len(self.engines)} ready"
+            fatal = [e for e in self.engines if e.state is EngineState.FATAL]
+            if fatal and len(fatal) < len(self.engines):
+                engine += (f", FATAL {','.join(e.engine_id for e in fatal)} (chandractl "
+                           f"engine restart ID): {fatal[0].fatal_reason}")
         counts = self.store.counts() if self.store else {}
         line = (f"{self.state.value}; engine {engine}; queue pending={counts.get('pending', 0)} "
                 f"active={counts.get('active', 0)} done={counts.get('done', 0)} "
@@ -169,11 +187,14 @@ class Daemon:
     def _notify_status(self) -> None:
         self.notifier.status(self.status_line())
 
-    def _on_engine_change(self, new: EngineState, reason: str) -> None:
+    def _on_engine_change(self, engine_id: str, new: EngineState, reason: str) -> None:
         self._notify_status()
         if new is EngineState.FAILED:  # the supervisor names the failure class as the reason
-            self.metrics.engine_failed(reason)
-        if new is EngineState.FATAL and self.config.engine.exit_on_fatal:
+            self.metrics.engine_failed(reason, engine_id)
+        # exit_on_fatal: only once no engine is left to serve (one fatal replica among
+        # healthy ones must not take the healthy ones down).
+        if (new is EngineState.FATAL and self.config.engine.exit_on_fatal
+                and all(e.state is EngineState.FATAL for e in self.engines)):
             self.exit_code = ExitCode.UNAVAILABLE
             self._commands.put_nowait(_Command(DaemonCommand.SHUTDOWN_NOW))
 
@@ -202,13 +223,13 @@ class Daemon:
             loop.add_signal_handler(sig, self._commands.put_nowait, _Command(name))
         self.store = self._open_store(cfg)
         self._make_watch_folders(cfg)
-        self.engine = EngineSupervisor(cfg.engine, cfg.ocr, gpu=NvmlProbe(), profiles=self.store,
-                                       on_change=self._on_engine_change,
-                                       session_file=cfg.daemon.state_dir / "engine.session",
-                                       backlog=self._has_backlog)
+        self.engines = [self._supervisor(cfg, spec) for spec in plan_engines(cfg)]
+        self.dispatcher = Dispatcher(self.engines)
         self.render = RenderPool(cfg.ocr.render_workers)
-        self.pipeline = Pipeline(cfg, self.store, self.engine, self.render)
-        self.engine.observer = self.pipeline.observer = self.metrics
+        self.pipeline = Pipeline(cfg, self.store, self.dispatcher, self.render)
+        self.pipeline.observer = self.metrics
+        for engine in self.engines:
+            engine.observer = self.metrics
         await self._start_metrics(cfg)
         self.control = ControlServer(cfg.control_socket(), Handlers(self), mode=cfg.control.mode,
                                      group=cfg.control.group)
@@ -216,8 +237,9 @@ class Daemon:
         self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
         await self.watcher.start()
         pipeline = self.pipeline
-        # A flag verdict (a config error) from the engine task ends the daemon (exit 78).
-        self.tasks.start("engine", self.engine.run, stop_on=(ConfigError,))
+        # A flag verdict (a config error) from an engine task ends the daemon (exit 78).
+        for engine in self.engines:
+            self.tasks.start(_task_name(engine), engine.run, stop_on=(ConfigError,))
         self.tasks.start("intake", pipeline.intake_loop, quarantine=pipeline.quarantine,
                          describe=_describe_item)
         self.tasks.start("dispatch", pipeline.dispatch_loop, quarantine=pipeline.quarantine,
@@ -229,6 +251,16 @@ class Daemon:
         self.notifier.ready(self.status_line())
         log.info(Event.DAEMON_STARTED, version=__version__, pid=os.getpid(),
                  socket=str(cfg.control_socket()), watches=len(cfg.watch))
+
+    def _supervisor(self, cfg: Config, spec: ReplicaSpec) -> EngineSupervisor:
+        """The supervisor of one planned engine, with its own port, session file (so that
+        each replica's stale-engine reaper is its own) and CPU list."""
+        session = "engine.session" if spec.id == "0" else f"engine-{spec.id}.session"
+        return EngineSupervisor(
+            spec.engine, cfg.ocr, gpu=NvmlProbe(), profiles=self.store,
+            on_change=lambda new, reason: self._on_engine_change(spec.id, new, reason),
+            session_file=cfg.daemon.state_dir / session, backlog=self._has_backlog,
+            engine_id=spec.id, cpus=spec.cpus, flag_checks=self.flag_checks)
 
     def _metrics_info(self) -> dict[str, str]:
         vllm = (self.engine.vllm_version if self.engine and self.engine.vllm_version
@@ -392,9 +424,10 @@ class Daemon:
         if self.watcher is not None:
             self.tasks.let_finish("watcher")
             self.watcher.stop()
-        # Jobs in flight finish their current pages only when the engine can serve them.
+        # Jobs in flight finish their current pages only when an engine can serve them.
         deadline = time.monotonic() + self.drain_timeout()
-        while (self.pipeline.active_jobs and self.engine.state is EngineState.READY
+        while (self.pipeline.active_jobs
+               and any(e.state is EngineState.READY for e in self.engines)
                and time.monotonic() < deadline):
             self.notifier.extend_timeout(DRAIN_EXTEND_S)
             self.pinger.progress()
@@ -476,13 +509,15 @@ class Daemon:
         if self.pipeline is not None:
             # Before the store closes: a job cancelled later would find it closed.
             await self.pipeline.stop_jobs()
-        if self.engine is not None:
-            self.tasks.let_finish("engine")
-            await self.engine.shutdown()
-            engine_task = self.tasks.runner("engine")
-            if engine_task is not None:
+        if self.engines:
+            for engine in self.engines:  # every engine stops at once, each its own session
+                self.tasks.let_finish(_task_name(engine))
+                await engine.shutdown()
+            runners = [t for t in (self.tasks.runner(_task_name(e)) for e in self.engines)
+                       if t is not None]
+            if runners:
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(engine_task)
+                    await asyncio.shield(asyncio.gather(*runners))
         await self.tasks.stop()
 
     def _end_reload(self, previous: DaemonState, reason: str) -> None:
@@ -507,11 +542,16 @@ class Daemon:
             self.notifier.ready(self.status_line())
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + exc.message) from exc
-        problems = []
-        if engine_settings_changed(self.config, new) and new.engine.supervised:
+        problems: list[ConfigProblem] = []
+        try:
+            specs = plan_engines(new)
+        except ConfigError as exc:
+            problems = list(exc.problems)
+            specs = []
+        if not problems and engine_settings_changed(self.config, new) and new.engine.supervised:
             self.reload_phase = "checking the new engine flags with vLLM's parser"
             self._notify_status()
-            problems = await self.engine.check_flags(new.engine)
+            problems = await self.engine.check_flags(specs[0].engine)
             self.reload_phase = ""
         if problems:
             log.error(Event.CONFIG_RELOAD_REFUSED, problems=[str(p) for p in problems])
@@ -520,11 +560,17 @@ class Daemon:
             raise ControlError("invalid_state", "new config refused, old one kept:\n"
                                + "\n".join(str(p) for p in problems))
         new, restart_needed = _keep_start_only_settings(self.config, new)
+        if len(specs) != len(self.engines):
+            # Engines are added or removed only at start: each has its own task, session
+            # file and port, and the pipeline holds pages on them.
+            restart_needed.append("engine.replicas")
         if restart_needed:
             log.warning("config_reload_partial", restart_needed=restart_needed)
         if new.daemon != self.config.daemon:
             configure_logging(new.daemon.log_format, new.daemon.log_level)
-        restart = await self.engine.reconfigure(new.engine, new.ocr)
+        restarted = [engine.engine_id for engine, spec in zip(self.engines, specs, strict=False)
+                     if await engine.reconfigure(spec.engine, new.ocr)]
+        restart = bool(restarted)
         watches_changed = new.watch != self.config.watch
         self.config = new
         self.pipeline.config = new
@@ -539,7 +585,7 @@ class Daemon:
         self.notifier.ready(self.status_line())
         log.info(Event.CONFIG_RELOADED, engine_restart=restart, watches_changed=watches_changed)
         return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed,
-                "restart_needed": restart_needed}
+                "restart_needed": restart_needed, "engines_restarted": restarted}
 
     # ------------------------------------------------------------ DaemonControl
     def _counts(self) -> dict[str, int]:
@@ -564,7 +610,9 @@ class Daemon:
                             "error": self.metrics_error or None},
             },
             "tasks": self.tasks.snapshot(),
+            # "engine" is engine 0, kept for one release beside "engines" (issue 12).
             "engine": self.engine.snapshot(),
+            "engines": self.dispatcher.engine_snapshots() if self.dispatcher else [],
             "queue": self._counts(),
             "held": self.pipeline.held() if self.pipeline else {"count": 0, "jobs": []},
             "throughput": {
@@ -580,7 +628,11 @@ class Daemon:
         return [job.to_dict() for job in self.store.list_jobs(state, limit)]
 
     def gpu(self) -> GpuReply:
-        return nvml.gpu_summary()
+        summary = nvml.gpu_summary()
+        summary["engines"] = [{"id": e.engine_id, "pid": e.pid, "state": e.state.value,
+                               "gpus": e.snapshot()["gpus"], "cpus": e.cpus or None,
+                               "url": e.base_url} for e in self.engines]
+        return summary
 
     def version(self) -> dict[str, Any]:
         return {"daemon": __version__, "protocol": PROTOCOL_VERSION,
@@ -649,18 +701,22 @@ class Daemon:
             self._commands.put_nowait(_Command(DaemonCommand.RELOAD))
             return {"queued": True}
         assert self.engine is not None
-        generation = self.engine.generation
+        generations = {e.engine_id: e.generation for e in self.engines}
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._commands.put_nowait(_Command(DaemonCommand.RELOAD, fut))
         result = await fut
         if result.get("engine_restart"):
-            # --wait: return once an engine with the new settings is ready (or gave up),
-            # within the time one stop and one start may take.
+            # --wait: return once every engine restarted with the new settings is ready
+            # (or gave up), within the time one stop and one start may take.
+            restarted = set(result.get("engines_restarted") or ())
+
+            def settled(e: EngineSupervisor) -> bool:
+                return e.generation != generations[e.engine_id] and e.state in (
+                    EngineState.READY, EngineState.FATAL)
             limit = self.reload_wait_timeout()
             try:
                 async with asyncio.timeout(limit):
-                    while (self.engine.generation == generation
-                           or self.engine.state not in (EngineState.READY, EngineState.FATAL)):
+                    while not all(settled(e) for e in self.engines if e.engine_id in restarted):
                         await asyncio.sleep(0.5)
             except TimeoutError:
                 raise ControlError(
@@ -676,14 +732,20 @@ class Daemon:
         engine = self.config.engine
         return engine.stop_timeout + engine.startup_timeout + RELOAD_WAIT_SLACK_S
 
-    async def engine_restart(self) -> dict[str, Any]:
+    async def engine_restart(self, engine_id: str | None = None) -> dict[str, Any]:
         assert self.engine is not None
         self._refuse_if_stopping("engine restart")
         if not self.config.engine.supervised:
             raise ControlError("invalid_state", "engine.url is set: the engine is remote and "
                                "not supervised by chandrad")
-        self.engine.request(EngineCommand.RESTART)
-        return {"requested": "restart", "engine_state": self.engine.state.value}
+        chosen = [e for e in self.engines if engine_id is None or e.engine_id == engine_id]
+        if not chosen:
+            raise ControlError("not_found", f"no engine {engine_id!r} (engines: "
+                               f"{', '.join(e.engine_id for e in self.engines)})")
+        for engine in chosen:
+            engine.request(EngineCommand.RESTART)
+        return {"requested": "restart", "engine_state": chosen[0].state.value,
+                "engines": {e.engine_id: e.state.value for e in chosen}}
 
     async def rescan(self) -> dict[str, Any]:
         assert self.watcher is not None
@@ -691,6 +753,24 @@ class Daemon:
             raise ControlError("invalid_state", "draining: no new files are accepted")
         found = await self.watcher.rescan()
         return {"candidates": found}
+
+
+def plan_engines(cfg: Config) -> list[ReplicaSpec]:
+    """The engines ``cfg`` asks for on this host's GPUs (NVML); a plan the GPUs cannot
+    carry is a config error naming the key, file and line."""
+    selected = nvml.select(nvml.read_gpus(), cfg.engine.gpus) if cfg.engine.supervised else []
+    slots = [GpuSlot(g.index, g.uuid, g.memory_total) for g in selected]
+    try:
+        return plan_replicas(cfg.engine, slots)
+    except ConfigError as exc:
+        raise ConfigError([dataclasses.replace(p, file=str(cfg.path),
+                                               line=key_line_of(cfg, p.key))
+                           for p in exc.problems]) from None
+
+
+def _task_name(engine: EngineSupervisor) -> str:
+    """The task that runs an engine's supervisor: ``engine`` (engine 0), ``engine-1``, …"""
+    return "engine" if engine.engine_id == "0" else f"engine-{engine.engine_id}"
 
 
 def _describe_item(item: Any) -> str:

@@ -14,8 +14,31 @@ from chandrad.protocol import EngineStatus
 from chandrad.states import EngineState
 
 
+class EngineTarget(Protocol):
+    """One engine a request goes to: the request is built for it (its page budget and
+    context) and sent to it."""
+
+    @property
+    def served_model_name(self) -> str: ...
+
+    @property
+    def max_output_tokens(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """One chat completion. Raises ``errors.EngineUnavailable`` when not ready or sick."""
+        ...
+
+    def report_failure(self, reason: str, evidence: str = "") -> None:
+        """Tell its supervisor a request failed in a way that suggests the engine is sick."""
+        ...
+
+
 class EngineHandle(Protocol):
-    """What the pipeline may ask of the engine supervisor."""
+    """What the pipeline may ask of the engine supervisor (one engine) or the dispatcher
+    (several: ``engine/dispatch.py``)."""
 
     @property
     def state(self) -> EngineState: ...
@@ -64,6 +87,16 @@ class EngineHandle(Protocol):
         """Tell the supervisor a request failed in a way that suggests the engine is sick."""
         ...
 
+    def pick(self) -> EngineTarget | None:
+        """The ready engine the next request goes to (the one with the most free
+        capacity), counted as one request outstanding on it until :meth:`release`;
+        ``None`` when no engine is ready."""
+        ...
+
+    def release(self, target: EngineTarget) -> None:
+        """The request sent to ``target`` by :meth:`pick` is over (answered or not)."""
+        ...
+
 
 class DaemonControl(Protocol):
     """The operations the control socket may call. Every method returns JSON-able data.
@@ -97,7 +130,9 @@ class DaemonControl(Protocol):
 
     async def reload(self, wait: bool = False) -> dict[str, Any]: ...
 
-    async def engine_restart(self) -> dict[str, Any]: ...
+    async def engine_restart(self, engine_id: str | None = None) -> dict[str, Any]:
+        """Restart one engine (``None``: every local engine)."""
+        ...
 
     async def rescan(self) -> dict[str, Any]: ...
 

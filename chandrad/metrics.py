@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import structlog
@@ -76,6 +76,9 @@ class ProfileView(Protocol):
 
 class EngineView(Protocol):
     @property
+    def engine_id(self) -> str: ...
+
+    @property
     def state(self) -> EngineState: ...
 
     @property
@@ -107,7 +110,7 @@ class DaemonView(Protocol):
     def store(self) -> StoreView | None: ...
 
     @property
-    def engine(self) -> EngineView | None: ...
+    def engines(self) -> Sequence[EngineView]: ...
 
     @property
     def watcher(self) -> WatcherView | None: ...
@@ -141,8 +144,8 @@ class DaemonCollector(Collector):
                        [s.value for s in DaemonState], d.state.value)
         if d.store is not None:
             yield from self._store(d.store)
-        if d.engine is not None:
-            yield from self._engine("0", d.engine, d.store)
+        if d.engines:
+            yield from self._engines(d.engines, d.store)
         if d.watcher is not None:
             yield from self._watches(d.watcher)
 
@@ -172,38 +175,48 @@ class DaemonCollector(Collector):
                                 value=float(pages.get("in_flight", 0)))
 
     @staticmethod
-    def _engine(engine_id: str, engine: EngineView, store: StoreView | None) -> Iterator[Metric]:
-        label = {"engine": engine_id}
-        yield _one_hot("chandrad_engine_state", "Engine state (one-hot).", "state",
-                       [s.value for s in EngineState], engine.state.value, label)
+    def _engines(engines: Sequence[EngineView], store: StoreView | None) -> Iterator[Metric]:
+        """One family per metric, one sample per engine (label ``engine`` = its id)."""
+        state = GaugeMetricFamily("chandrad_engine_state", "Engine state (one-hot).",
+                                  labels=["engine", "state"])
         restarts = CounterMetricFamily("chandrad_engine_restarts", "Engine restarts after a "
                                        "failure since the daemon started.", labels=["engine"])
-        restarts.add_metric([engine_id], float(engine.restarts))
-        yield restarts
         cap = GaugeMetricFamily("chandrad_engine_capacity", "In-flight requests the pipeline "
                                 "aims for.", labels=["engine"])
-        cap.add_metric([engine_id], float(engine.capacity))
+        gauges = {key: GaugeMetricFamily(f"chandrad_engine_profile_{suffix}",
+                                         f"Memory profile in force: {key} (absent = vLLM "
+                                         "default).", labels=["engine"])
+                  for key, suffix, _ in PROFILE_GAUGES}
+        source_fam = GaugeMetricFamily("chandrad_engine_profile_source", "Where the profile "
+                                       "in force came from (one-hot).",
+                                       labels=["engine", "source"])
+        age = GaugeMetricFamily("chandrad_engine_learned_profile_age_seconds",
+                                "Seconds since the learned profile for this engine's "
+                                "model/vLLM/GPU was last saved.", labels=["engine"])
+        for engine in engines:
+            eid = engine.engine_id
+            for value in EngineState:
+                state.add_metric([eid, value.value], 1.0 if value is engine.state else 0.0)
+            restarts.add_metric([eid], float(engine.restarts))
+            cap.add_metric([eid], float(engine.capacity))
+            profile = engine.profile.to_dict()
+            for key, _, factor in PROFILE_GAUGES:
+                if profile.get(key) is not None:  # None: vLLM's own default, not known here
+                    gauges[key].add_metric([eid], float(profile[key]) * factor)
+            source = (engine.profile_source if engine.profile_source in PROFILE_SOURCES
+                      else "config")
+            for value_s in PROFILE_SOURCES:
+                source_fam.add_metric([eid, value_s], 1.0 if value_s == source else 0.0)
+            key_ = engine.learned_key()
+            saved = store.learned_profile_saved_at(key_) if store is not None and key_ else None
+            if saved is not None:
+                age.add_metric([eid], max(0.0, time.time() - saved))
+        yield state
+        yield restarts
         yield cap
-        profile = engine.profile.to_dict()
-        for key, suffix, factor in PROFILE_GAUGES:
-            value = profile.get(key)
-            if value is None:
-                continue  # vLLM's own default: not known to chandrad
-            fam = GaugeMetricFamily(f"chandrad_engine_profile_{suffix}",
-                                    f"Memory profile in force: {key} (absent = vLLM default).",
-                                    labels=["engine"])
-            fam.add_metric([engine_id], float(value) * factor)
-            yield fam
-        source = engine.profile_source if engine.profile_source in PROFILE_SOURCES else "config"
-        yield _one_hot("chandrad_engine_profile_source", "Where the profile in force came "
-                       "from (one-hot).", "source", PROFILE_SOURCES, source, label)
-        key = engine.learned_key()
-        saved = store.learned_profile_saved_at(key) if store is not None and key else None
-        if saved is not None:
-            age = GaugeMetricFamily("chandrad_engine_learned_profile_age_seconds",
-                                    "Seconds since the learned profile for this engine's "
-                                    "model/vLLM/GPU was last saved.", labels=["engine"])
-            age.add_metric([engine_id], max(0.0, time.time() - saved))
+        yield from (fam for fam in gauges.values() if fam.samples)
+        yield source_fam
+        if age.samples:
             yield age
 
     @staticmethod

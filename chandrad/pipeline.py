@@ -628,22 +628,28 @@ class Pipeline:
             await self.dispatching.wait()
             await self.engine.wait_ready()
             temperature, top_p = ocr.sampling_for_attempt(attempt)
+            await self._inflight.acquire()
+            # The engine this request goes to (several: the one with most free capacity);
+            # the request is built for it. None: every engine left ready meanwhile.
+            target = self.engine.pick()
+            if target is None:
+                await self._inflight.release()
+                continue
             max_tokens: int | None = ocr.request_max_tokens(
-                self.engine.max_output_tokens, self.engine.max_model_len, prompt_estimate)
+                target.max_output_tokens, target.max_model_len, prompt_estimate)
             if refit is not None:
                 max_tokens = refit[0]
             body = ocr.build_chat_request(
-                png, model=self.engine.served_model_name, prompt_type=cfg.prompt_type,
+                png, model=target.served_model_name, prompt_type=cfg.prompt_type,
                 max_output_tokens=max_tokens, temperature=temperature, top_p=top_p,
                 fitted=True)
-            await self._inflight.acquire()
             self.store.claim_page(job.id, index)
             t0 = time.monotonic()
             reply: dict[str, Any] | None = None
             try:
-                reply = await self.engine.chat(body, timeout=cfg.request_timeout)
+                reply = await target.chat(body, timeout=cfg.request_timeout)
             except EngineUnavailable as exc:
-                self.engine.report_failure("request failed", str(exc))
+                target.report_failure("request failed", str(exc))
                 page = self.store.page(job.id, index)
                 if (exc.page_may_be_at_fault and page is not None
                         and page.releases >= MAX_FREE_RELEASES):
@@ -663,8 +669,8 @@ class Pipeline:
                 if overflow and refit is None:
                     # vLLM <= 0.17: max_tokens did not fit after the real prompt. Ask again
                     # (uncharged) with exactly what is left, or let the engine decide.
-                    limit = self.engine.max_model_len
-                    refit = (min(self.engine.max_output_tokens, limit - prompt)
+                    limit = target.max_model_len
+                    refit = (min(target.max_output_tokens, limit - prompt)
                              if prompt is not None and limit and limit > prompt else None,)
                     self.store.release_page(job.id, index)
                     log.info("page_max_tokens_refit", job=job.id, page=index + 1,
@@ -673,6 +679,7 @@ class Pipeline:
                 last_error = f"engine rejected the page: {exc}"
             finally:
                 engine_s += time.monotonic() - t0
+                self.engine.release(target)
                 await self._inflight.release()
             attempt += 1
             if reply is not None:
@@ -697,7 +704,7 @@ class Pipeline:
                     if truncated:
                         log.warning("page_truncated", job=job.id, page=index + 1,
                                     attempts=attempts, max_tokens=max_tokens,
-                                    max_model_len=self.engine.max_model_len)
+                                    max_model_len=target.max_model_len)
                     return _PageOutcome(True, inference_s=engine_s)
                 last_error = f"{outcome} after {attempt} attempt(s)"
             if attempt <= cfg.retries:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from chandrad import PROTOCOL_VERSION
 from chandrad.errors import CONTROL_ERROR_CODES, ControlError
@@ -78,7 +78,7 @@ COMMANDS: dict[str, Command] = {
     "retry": Command("write", {"job": Arg(int), "failed": Arg(bool)}),
     "cancel": Command("write", {"job": Arg(int, required=True)}),
     "reload": Command("write", {"wait": Arg(bool)}),
-    "engine_restart": Command("write"),
+    "engine_restart": Command("write", {"engine": Arg(str)}),  # absent: every engine
     "rescan": Command("write"),
 }
 
@@ -109,6 +109,17 @@ class GpuStatus(TypedDict):
     processes: list[GpuProcessStatus]
 
 
+class GpuEngineStatus(TypedDict):
+    """One engine in the ``gpu`` reply: where it runs."""
+
+    id: str
+    pid: int | None
+    state: str
+    gpus: list[str]
+    cpus: str | None
+    url: str
+
+
 class GpuReply(TypedDict):
     """The ``gpu`` result; ``error`` says why ``gpus`` is empty."""
 
@@ -117,6 +128,8 @@ class GpuReply(TypedDict):
     error: str
     driver: str
     gpus: list[GpuStatus]
+    #: Which engine runs on which GPU (the daemon's answer; absent in a bare NVML summary).
+    engines: NotRequired[list[GpuEngineStatus]]
 
 
 #: The engine's last classified failure (``class`` is a Python keyword, hence this form).
@@ -157,8 +170,14 @@ class FetchStatus(TypedDict):
 class EngineStatus(TypedDict):
     """One supervised (or remote) engine, as ``status`` shows it."""
 
+    id: str  #: "0", "1", … (engine/replicas.py)
     state: str
     pid: int | None
+    gpus: list[str]  #: its GPUs' UUIDs (or indices as engine.gpus gave them)
+    cpus: str | None  #: the CPU list it runs pinned to
+    in_flight: NotRequired[int]  #: requests outstanding on it (the dispatcher's count)
+    answered: NotRequired[int]  #: requests it answered since the daemon started
+    pages_per_min: NotRequired[float]  #: requests it answered in the last minute
     restarts: int
     supervised: bool
     url: str
@@ -232,7 +251,8 @@ class StatusReply(TypedDict):
     v: int
     daemon: DaemonStatus
     tasks: list[TaskStatus]
-    engine: EngineStatus
+    engine: EngineStatus  #: engine 0, kept for one release beside ``engines``
+    engines: list[EngineStatus]
     queue: dict[str, int]
     held: HeldStatus
     throughput: ThroughputStatus

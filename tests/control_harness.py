@@ -149,8 +149,8 @@ class RecordingDaemon:
         await self._maybe_wait(wait)
         return {"reloaded": True, "engine_restarted": False}
 
-    async def engine_restart(self) -> dict[str, Any]:
-        self._record("engine_restart")
+    async def engine_restart(self, engine_id: str | None = None) -> dict[str, Any]:
+        self._record("engine_restart", **({} if engine_id is None else {"engine": engine_id}))
         return {"message": "engine restarting with the current profile"}
 
     async def rescan(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ or serves ``/health``, ``/v1/models`` and ``/metrics`` on its port.
 ``<wrapper> -m chandrad check-flags`` plays the flag-check child (a verdict, a crash,
 a kill or a slow answer); anything else (``-c CODE``) runs the real interpreter.
 
-The scenario is a JSON file beside the wrapper; what happened is appended to
+Several replicas share one scenario; ``per_port`` gives the one on a port its own
+behaviour. The scenario is a JSON file beside the wrapper; what happened is appended to
 ``events.jsonl`` in the same folder, so a test can read the sequence of spawns.
 """
 
@@ -130,11 +131,16 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve(folder: Path, scenario: dict[str, Any], argv: list[str]) -> int:
     port = int(_flag(argv, "--port", "8000") or 8000)
+    # One scenario file for several replicas: "per_port" overrides what the engine on that
+    # port does (replica i listens on engine.port + i).
+    scenario = {**scenario, **scenario.get("per_port", {}).get(str(port), {})}
     host = _flag(argv, "--host", "127.0.0.1") or "127.0.0.1"
     util = float(_flag(argv, "--gpu-memory-utilization", "0.9") or 0.9)
     eager = "--enforce-eager" in argv
     _record(folder, what="spawn", pid=os.getpid(), util=util, eager=eager, argv=argv,
-            sid=os.getsid(0))
+            sid=os.getsid(0), t=time.monotonic(), port=port,
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            cpus=sorted(os.sched_getaffinity(0)))
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     _log("INFO", "vLLM API server version 0.32.0")
     if scenario.get("setsid_grandchild"):

@@ -455,6 +455,8 @@ def test_key_line_walks_up_to_enclosing_table() -> None:
 def _leaf_keys(cls: type, prefix: str) -> set[str]:
     keys: set[str] = set()
     for f in dataclasses.fields(cls):
+        if config.DERIVED in f.metadata:
+            continue  # not a key of its own (engine.urls is what engine.url holds)
         sub = f.type if isinstance(f.type, type) else getattr(config, str(f.type), None)
         if isinstance(sub, type) and dataclasses.is_dataclass(sub):
             keys |= _leaf_keys(sub, f"{prefix}.{f.name}")

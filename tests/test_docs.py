@@ -51,6 +51,8 @@ def _defaults(cls: type, prefix: str) -> dict[str, Any]:
     """Every leaf key of a config dataclass -> its default (MISSING when it has none)."""
     out: dict[str, Any] = {}
     for f in fields(cls):  # type: ignore[arg-type]
+        if config.DERIVED in f.metadata:
+            continue  # e.g. engine.urls: what engine.url holds, not a key of its own
         value: Any = MISSING
         if f.default is not MISSING:
             value = f.default

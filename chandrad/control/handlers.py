@@ -96,8 +96,8 @@ class Handlers:
     async def reload(self, wait: bool = False) -> Result:
         return _as_result("reload", await self.daemon.reload(wait=wait))
 
-    async def engine_restart(self) -> Result:
-        return _as_result("engine_restart", await self.daemon.engine_restart())
+    async def engine_restart(self, engine: str | None = None) -> Result:
+        return _as_result("engine_restart", await self.daemon.engine_restart(engine))
 
     async def rescan(self) -> Result:
         return _as_result("rescan", await self.daemon.rescan())

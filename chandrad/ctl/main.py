@@ -64,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
             ).add_argument("--wait", action="store_true", help="return once reloaded")
     engine = command("engine", "engine commands", json_flag=False)
     engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="ACTION")
-    engine_sub.add_parser("restart", help="restart the engine with the current profile"
-                          ).add_argument("--json", action="store_true")
+    restart = engine_sub.add_parser("restart", help="restart an engine (default: every "
+                                    "engine) with its current profile")
+    restart.add_argument("--json", action="store_true")
+    which = restart.add_mutually_exclusive_group()
+    which.add_argument("id", nargs="?", metavar="ID", help="the engine id (chandractl status)")
+    which.add_argument("--all", action="store_true", help="every engine (the default)")
     command("rescan", "rescan every watched folder now")
     command("gpu", "per-GPU memory and the processes holding it")
     top = command("top", "live view: engine, job progress, pages/min, recent failures "
@@ -88,7 +92,7 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The control command and arguments for a parsed daemon subcommand."""
     cmd: str = args.command
     if cmd == "engine":
-        return "engine_restart", {}
+        return "engine_restart", {"engine": args.id} if args.id else {}
     if cmd == "queue":
         return cmd, {"state": args.state} if args.state else {}
     if cmd in WAITING:

@@ -137,9 +137,37 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
             for c in changes if isinstance(c, dict)
         ]
         blocks.append(Block("profile changes", change_rows, ("at", "class", "reason", "changes")))
+    blocks.extend(engine_blocks(r))
     blocks.extend(task_blocks(r))
-    blocks.extend(gpu_blocks({"gpus": r.get("gpus") or []}))
+    blocks.extend(gpu_blocks({"gpus": r.get("gpus") or [], "engines": r.get("engines") or []}))
     return blocks
+
+
+def _engine_place(e: dict[str, Any]) -> str:
+    """Where an engine runs: its GPUs, its CPU list, or (remote) its URL."""
+    if not e.get("supervised", True):
+        return text(e.get("url"))
+    parts = []
+    if e.get("gpus"):
+        parts.append("gpu " + ",".join(str(g)[:12] for g in e["gpus"]))
+    if e.get("cpus"):
+        parts.append(f"cpu {text(e.get('cpus'))}")
+    parts.append(text(e.get("url")))
+    return "  ".join(parts)
+
+
+def engine_blocks(r: dict[str, Any]) -> list[Block]:
+    """Every engine (issue 12), when there is more than one."""
+    engines = [e for e in r.get("engines") or [] if isinstance(e, dict)]
+    if len(engines) < 2:
+        return []
+    rows: list[Row] = [
+        (text(e.get("id")), text(e.get("state")), text(e.get("pid")), _engine_place(e),
+         text(e.get("restarts")), text(e.get("in_flight")), text(e.get("pages_per_min")),
+         _profile(e.get("profile")))
+        for e in engines]
+    return [Block("engines", rows, ("id", "state", "pid", "where", "restarts", "in flight",
+                                    "pages/min", "profile"))]
 
 
 def task_blocks(r: dict[str, Any]) -> list[Block]:
@@ -175,9 +203,12 @@ def gpu_blocks(r: dict[str, Any]) -> list[Block]:
                 held = p.get("used_bytes")
                 name = f" {p['name']}" if p.get("name") else ""
                 procs.append(f"{text(p.get('pid'))}{name} {gib(held)} GiB")
-        rows.append((text(g.get("index")), text(g.get("name")),
+        on = [text(e.get("id")) for e in r.get("engines") or []
+              if isinstance(e, dict) and g.get("uuid") in (e.get("gpus") or [])]
+        rows.append((text(g.get("index")), text(g.get("name")), ",".join(on) or "-",
                      f"{gib(used)} / {gib(total)} GiB", ", ".join(procs) or "-"))
-    return [Block("gpus", rows, ("gpu", "name", "memory used / total", "processes"))]
+    return [Block("gpus", rows, ("gpu", "name", "engine", "memory used / total",
+                                 "processes"))]
 
 
 def queue_blocks(r: dict[str, Any]) -> list[Block]:

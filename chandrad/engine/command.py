@@ -191,13 +191,18 @@ def build_engine_command(
     *,
     base_env: Mapping[str, str],
     python: str | None = None,
+    cpus: str = "",
 ) -> EngineCommand:
     """The argv and full environment that start the engine for ``profile``.
 
     ``engine.command`` replaces the program part (``python -m <api server>``).
+    ``cpus`` (a replica's ``engine.cpu_affinity`` entry) runs it under ``taskset -c``,
+    which execs the engine in place (same pid, every thread and child pinned).
     Duplicate flags are not resolved here; :func:`validate_engine_args` reports them.
     """
     program = engine.command or (python or engine_python(engine), "-m", API_SERVER_MODULE)
+    if cpus:
+        program = ("taskset", "-c", cpus, *program)
     flags = engine_flags(engine, profile)
     env = engine_env(engine, profile, base_env)
     added = {k: v for k, v in env.items() if base_env.get(k) != v}

@@ -65,7 +65,7 @@ def vllm_version_of(python: str | None, timeout: float = VERSION_QUERY_TIMEOUT) 
 
 
 def learned_key(engine: EngineConfig, ocr: OcrConfig, configured: MemoryProfile, *,
-                gpu_name: str, gpu_count: int, vllm_version: str) -> str:
+                gpu_name: str, gpu_count: int, vllm_version: str, cpus: str = "") -> str:
     """``model|vLLM|GPU name|GPU count|start=<digest of everything else that matters>``."""
     inputs = {
         "configured": configured.to_dict(),
@@ -78,6 +78,8 @@ def learned_key(engine: EngineConfig, ocr: OcrConfig, configured: MemoryProfile,
         "max_pixels": ocr.max_pixels,
         "max_output_tokens": ocr.max_output_tokens,
     }
+    if cpus:  # a replica pinned to CPUs (engine.cpu_affinity) learns for its own CPU set
+        inputs["cpus"] = cpus
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode())
     return (f"{engine.model}|{vllm_version}|{gpu_name}|{gpu_count}|"
             f"start={digest.hexdigest()[:12]}")

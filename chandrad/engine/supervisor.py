@@ -15,39 +15,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
 
 from chandrad.config import EngineConfig, OcrConfig
-from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
+from chandrad.engine.budget import RestartBudget
+from chandrad.engine.classify import Diagnosis, FailureClass
 from chandrad.engine.client import EngineClient
 from chandrad.engine.command import build_engine_command, validate_in_child
 from chandrad.engine.fetching import FetchChild, must_fetch, offline_not_cached
+from chandrad.engine.generation import Generation, SessionFile, foreign_listener, port_taken
 from chandrad.engine.learned import learned_key, vllm_version_of
-from chandrad.engine.process import EngineProcess, kill_pids, oom_kill_count, process_name
-from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile, next_profile
-from chandrad.engine.session import (
-    TOKEN_ENV,
-    EngineIdentity,
-    boot_id,
-    identify,
-    listening_inodes,
-    new_token,
-    socket_holders,
-    stale_engine_pids,
-    token_holders,
-)
+from chandrad.engine.policy import ProfileChange, ProfilePolicy
+from chandrad.engine.process import EngineProcess, process_name
+from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile
+from chandrad.engine.session import TOKEN_ENV, identify, new_token, token_holders
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
 from chandrad.events import Event
 from chandrad.interfaces import Observer
-from chandrad.protocol import EngineStatus, FailureStatus, ProfileChangeStatus
+from chandrad.protocol import EngineStatus, FailureStatus
 from chandrad.states import ENGINE_TRANSITIONS, EngineCommand, EngineState
 
 log = structlog.get_logger("chandrad.engine")
@@ -64,7 +55,8 @@ DEFAULT_REMOTE_CAPACITY = 64
 #: import vLLM, or answered garbage). Only a verdict of vLLM's parser is a config error;
 #: this is an engine start failure, retried with backoff (issue 16 #3).
 FLAG_CHECK_FAILED_CODES = frozenset({"engine_vllm_missing"})
-_VLLM_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\b")
+
+__all__ = ["EngineSupervisor", "GpuProbe", "LearnedProfiles", "ProfileChange"]
 
 
 class LearnedProfiles(Protocol):
@@ -87,35 +79,38 @@ class GpuProbe(Protocol):
     def memory_held_by(self, pids: set[int]) -> dict[int, int]: ...
 
 
-@dataclass
-class ProfileChange:
-    at: float
-    reason: str
-    failure: str
-    changes: dict[str, tuple[Any, Any]]
-    degraded: bool = False
+class FlagChecks:
+    """vLLM's parser's verdict on the engine flags, one check per config for every replica.
 
-    def to_dict(self) -> ProfileChangeStatus:
-        return {
-            "at": self.at,
-            "reason": self.reason,
-            "class": self.failure,
-            "changes": {k: {"old": o, "new": n} for k, (o, n) in self.changes.items()},
-            "degraded": self.degraded,
-        }
+    Replicas differ only in port, GPUs and CPU list, which the parser does not judge: N
+    replicas starting at once share one child (on a small host N children importing vLLM
+    at once could each exceed the check's deadline). Only a clean verdict is kept; a check
+    with problems runs again next time."""
 
+    def __init__(self) -> None:
+        self._checks: dict[str, asyncio.Future[list[ConfigProblem]]] = {}
+        self._waiters: dict[str, int] = {}
 
-@dataclass
-class _Generation:
-    """What belongs to one spawned engine (or one probing round of a remote one)."""
-
-    process: EngineProcess | None
-    scanner: LineScanner = field(default_factory=LineScanner)
-    early: Diagnosis | None = None
-    early_at: float = 0.0
-    started_at: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None
-    oom_kills_at_start: int | None = field(default_factory=oom_kill_count)
+    async def run(self, engine: EngineConfig, profile: MemoryProfile) -> list[ConfigProblem]:
+        key = repr(replace(engine, port=0, gpus="", cpu_affinity=()))
+        check = self._checks.get(key)
+        if check is None:
+            check = self._checks[key] = asyncio.ensure_future(
+                validate_in_child(engine, profile, engine.python or None))
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            problems = await asyncio.shield(check)
+        except BaseException:
+            if self._waiters[key] == 1 and not check.done():
+                check.cancel()  # the last one waiting was stopped: kill the child
+            if self._waiters[key] == 1 or check.done():
+                self._checks.pop(key, None)
+            raise
+        finally:
+            self._waiters[key] -= 1
+        if problems:
+            self._checks.pop(key, None)
+        return problems
 
 
 class EngineSupervisor:
@@ -132,9 +127,20 @@ class EngineSupervisor:
         on_change: Callable[[EngineState, str], None] | None = None,
         session_file: Path | None = None,
         backlog: Callable[[], bool] | None = None,
+        engine_id: str = "0",
+        cpus: str = "",
+        flag_checks: FlagChecks | None = None,
     ) -> None:
         self.engine = engine
-        self.session_file = session_file
+        #: Which engine this is ("0", "1", …): the ``engine`` field of its journal entries
+        #: and the ``engine`` label of its metrics (engine/replicas.py).
+        self.engine_id = engine_id
+        #: The CPU list it runs pinned to (``engine.cpu_affinity``), "" = not pinned.
+        self.cpus = cpus
+        self.log = log.bind(engine=engine_id)
+        #: vLLM's verdict on the flags, shared by the replicas of one config.
+        self.flag_checks = flag_checks or FlagChecks()
+        self.session = SessionFile(session_file, self.log)
         self.ocr = ocr
         self.gpu = gpu
         self.profiles = profiles
@@ -142,15 +148,14 @@ class EngineSupervisor:
         self.on_change = on_change
         self._state = EngineState.STOPPED
         self.state_since = time.monotonic()
-        self.configured_profile = initial_profile(engine.memory, self._gpu_total())
-        self.profile = self.configured_profile
-        self.profile_source = "config"
-        self.profile_changes: deque[ProfileChange] = deque(maxlen=50)
+        #: The profile in force, the ladder's memory and the upshift probe (engine/policy.py).
+        self.policy = ProfilePolicy(initial_profile(engine.memory, self._gpu_total()),
+                                    engine.downshift)
+        #: Failures in the window, the backoff, restarts so far (engine/budget.py).
+        self.budget = RestartBudget(engine.downshift)
         self.last_failure: Diagnosis | None = None
         self.last_failure_at: float | None = None
-        self.restarts = 0
-        self._restart_times: deque[float] = deque()
-        self._gen: _Generation | None = None
+        self._gen: Generation | None = None
         self.fetch_child: FetchChild | None = None  # while FETCHING
         self._client = EngineClient(engine.base_url, api_key=engine.api_key,
                                     timeout=ocr.request_timeout)
@@ -158,21 +163,12 @@ class EngineSupervisor:
         self._ready_event = asyncio.Event()
         self._probe_now = asyncio.Event()
         self._stable = False
-        self._backoff_delay = 0.0
         self.fatal_reason = ""
         self.metrics: dict[str, float] = {}
         self._flags_checked: EngineConfig | None = None
         self.generation = 0  # bumped at every spawn: lets a waiter see "a new engine"
         self.backlog = backlog or (lambda: False)
         self.observer: Observer | None = None  # metrics: profile changes by reason
-        # Upshift (SPEC §4.3): the profiles before each downshift step, newest last; the
-        # profile to fall back to while probing one step up; pinned after a failed probe.
-        self._steps_down: list[MemoryProfile] = []
-        self._upshift_fallback: MemoryProfile | None = None
-        self.upshift_pinned = False
-        # Profiles the ladder moved away from, with their failure: never gone back to
-        # (issue 16 #4). Cleared by a reload that changes the engine settings.
-        self._failed_profiles: dict[MemoryProfile, tuple[str, dict[str, float]]] = {}
         #: The vLLM version of the interpreter that runs the engine (part of the learned key).
         self.vllm_version = vllm_version_of(engine.python or None) if engine.supervised else ""
         self._load_learned()
@@ -181,6 +177,30 @@ class EngineSupervisor:
     @property
     def state(self) -> EngineState:
         return self._state
+
+    @property
+    def profile(self) -> MemoryProfile:
+        return self.policy.profile
+
+    @property
+    def configured_profile(self) -> MemoryProfile:
+        return self.policy.configured
+
+    @property
+    def profile_source(self) -> str:
+        return self.policy.source
+
+    @property
+    def profile_changes(self) -> list[ProfileChange]:
+        return list(self.policy.changes)
+
+    @property
+    def upshift_pinned(self) -> bool:
+        return self.policy.upshift_pinned
+
+    @property
+    def restarts(self) -> int:
+        return self.budget.restarts
 
     @property
     def base_url(self) -> str:
@@ -222,13 +242,21 @@ class EngineSupervisor:
         await self._ready_event.wait()
 
     def report_failure(self, reason: str, evidence: str = "") -> None:
-        log.warning("engine_request_failed", reason=reason, evidence=evidence[:300])
+        self.log.warning("engine_request_failed", reason=reason, evidence=evidence[:300])
         self._probe_now.set()
 
     async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         if self._state is not EngineState.READY:
             raise EngineUnavailable(f"engine is {self._state.value}")
         return await self._client.chat(body, timeout=timeout)
+
+    def pick(self) -> EngineSupervisor | None:
+        """One engine: itself while ready (``EngineHandle``; the dispatcher picks among
+        several)."""
+        return self if self._state is EngineState.READY else None
+
+    def release(self, target: object) -> None:
+        """Nothing to count for a single engine (``EngineHandle``)."""
 
     def snapshot(self) -> EngineStatus:
         """The engine part of ``chandractl status``."""
@@ -243,20 +271,23 @@ class EngineSupervisor:
                 "at_wall": self.last_failure_at,
             }
         return {
+            "id": self.engine_id,
             "state": self._state.value,
             "pid": self.pid,
             "restarts": self.restarts,
             "supervised": self.engine.supervised,
             "url": self.engine.base_url,
+            "gpus": [g for g in self.engine.gpus.split(",") if g and g.lower() != "all"],
+            "cpus": self.cpus or None,
             "model": self.engine.model,
             "served_model_name": self.engine.served_model_name,
             "state_for_s": round(time.monotonic() - self.state_since, 1),
             "profile": self.profile.to_dict(),
             "profile_source": self.profile_source,
-            "profile_changes": [c.to_dict() for c in list(self.profile_changes)[-5:]],
+            "profile_changes": [c.to_dict() for c in self.profile_changes[-5:]],
             "last_failure": failure,
             "fatal_reason": self.fatal_reason or None,
-            "backoff_s": round(self._backoff_delay, 1) if self._state is EngineState.BACKOFF
+            "backoff_s": round(self.budget.delay, 1) if self._state is EngineState.BACKOFF
             else None,
             "capacity": self.capacity,
             "fetch": None if self.fetch_child is None else {
@@ -279,13 +310,8 @@ class EngineSupervisor:
             return False
         old_url = self.engine.base_url
         self.engine = engine
-        self.configured_profile = initial_profile(engine.memory, self._gpu_total())
-        self.profile = self.configured_profile
-        self.profile_source = "config"
-        self._steps_down = []
-        self._upshift_fallback = None
-        self.upshift_pinned = False
-        self._failed_profiles = {}
+        self.policy.reset(initial_profile(engine.memory, self._gpu_total()), engine.downshift)
+        self.budget.downshift = engine.downshift
         if engine.supervised:
             self.vllm_version = await asyncio.to_thread(vllm_version_of, engine.python or None)
         self._load_learned()
@@ -318,9 +344,9 @@ class EngineSupervisor:
         process (the daemon never imports vLLM)."""
         profile = initial_profile(engine.memory, self._gpu_total())
         t0 = time.monotonic()
-        problems = await validate_in_child(engine, profile, engine.python or None)
-        log.info("engine_flags_checked", problems=[str(p) for p in problems],
-                 seconds=round(time.monotonic() - t0, 1))
+        problems = await self.flag_checks.run(engine, profile)
+        self.log.info("engine_flags_checked", problems=[str(p) for p in problems],
+                      seconds=round(time.monotonic() - t0, 1))
         if not problems:
             self._flags_checked = engine  # a reload's check also serves the spawn after it
         return problems
@@ -336,13 +362,13 @@ class EngineSupervisor:
             self._ready_event.set()
         else:
             self._ready_event.clear()
-        log.info(Event.ENGINE_STATE, old=old.value, new=new.value, reason=reason, **evidence)
+        self.log.info(Event.ENGINE_STATE, old=old.value, new=new.value, reason=reason, **evidence)
         if self.on_change is not None:
             self.on_change(new, reason)
 
     async def run(self, autostart: bool = True) -> None:
         """Drive the state machine until a ``shutdown`` command has been handled."""
-        await self._reap_stale_session()
+        await self.session.reap(self.engine.stop_timeout)
         if autostart:
             self.request(EngineCommand.START)
         try:
@@ -382,7 +408,7 @@ class EngineSupervisor:
             return False
         if command in (EngineCommand.START, EngineCommand.RESTART):
             if self._state is EngineState.FATAL:
-                self._restart_times.clear()
+                self.budget.clear()
                 self.fatal_reason = ""
             await self._spawn("operator request" if command is EngineCommand.RESTART else "start")
         return True
@@ -391,13 +417,13 @@ class EngineSupervisor:
         self._stable = False
         self.generation += 1
         if not self.engine.supervised:
-            self._gen = _Generation(process=None)
+            self._gen = Generation(process=None)
             self._transition(EngineState.STARTING, reason, url=self.engine.base_url)
             return
         fetch = not self.engine.offline and must_fetch(self.engine, self.base_env)
         if fetch and not await self._fetch(reason):
             return
-        gen = _Generation(process=None)
+        gen = Generation(process=None)
         self._gen = gen
         self._transition(EngineState.STARTING, reason, profile=self.profile.to_dict())
         if self.engine.offline and must_fetch(self.engine, self.base_env):
@@ -423,20 +449,21 @@ class EngineSupervisor:
                     subclass="flag_check_failed"), exit_code=None)
                 return
             self._flags_checked = self.engine
-        busy = self._port_taken()
+        busy = port_taken(self.engine.port)
         if busy:
             self._fail(busy, exit_code=None)
             return
         command = build_engine_command(self.engine, self.profile, base_env=self.base_env,
-                                       python=self.engine.python or None)
+                                       python=self.engine.python or None, cpus=self.cpus)
         # A per-spawn token in the environment marks every process of this engine, even
         # one that leaves its session (engine/session.py).
         token = new_token()
         process = EngineProcess(command.argv, {**command.env, TOKEN_ENV: token},
-                                self._line_sink(gen), also_members=lambda: token_holders(token))
+                                gen.line_sink(self._probe_now.set, self.log),
+                                also_members=lambda: token_holders(token))
         gen.process = process
         gen.started_at = time.monotonic()
-        log.info("engine_command", argv=" ".join(command.argv))
+        self.log.info("engine_command", argv=" ".join(command.argv))
         try:
             await process.start()
         except OSError as exc:
@@ -447,9 +474,9 @@ class EngineSupervisor:
             gen.process = None
             self._fail(gen.early, exit_code=None)
             return
-        log.info(Event.ENGINE_SPAWNED, pid=process.pid)
+        self.log.info(Event.ENGINE_SPAWNED, pid=process.pid)
         if process.pid is not None:
-            self._record_session(identify(process.pid, token))
+            self.session.record(identify(process.pid, token))
 
     async def _fetch(self, reason: str) -> bool:
         """FETCHING: the weights into the HF cache in a child (engine/fetching.py). True
@@ -479,49 +506,17 @@ class EngineSupervisor:
         if failure is not None:
             self._fail(failure, exit_code=code)
             return False
-        log.info("engine_model_fetched", model=self.engine.model, bytes=child.progress.total)
+        self.log.info("engine_model_fetched", model=self.engine.model, bytes=child.progress.total)
         return True
-
-    def _line_sink(self, gen: _Generation) -> Callable[[str, str], None]:
-        def sink(stream: str, line: str) -> None:
-            level = _VLLM_LEVEL.search(line[:120])
-            method = "info"
-            if level and level.group(1) in ("WARNING", "WARN"):
-                method = "warning"
-            elif level and level.group(1) in ("ERROR", "CRITICAL"):
-                method = "error"
-            getattr(log, method)(Event.ENGINE_LINE, source="vllm", stream=stream, line=line)
-            verdict = gen.scanner.feed(line)
-            if verdict is not None and gen.early is None:
-                gen.early = verdict
-                gen.early_at = time.monotonic()
-                self._probe_now.set()
-        return sink
 
     def _fail(self, diagnosis: Diagnosis, exit_code: int | None) -> None:
         self.last_failure = diagnosis
         self.last_failure_at = time.time()
         self._transition(EngineState.FAILED, f"{diagnosis.cls}", exit_code=exit_code,
                          evidence=diagnosis.evidence[:500])
-        log.error(Event.ENGINE_FAILURE, **{"class": str(diagnosis.cls)},
+        self.log.error(Event.ENGINE_FAILURE, **{"class": str(diagnosis.cls)},
                   evidence=diagnosis.evidence[:2000], numbers=diagnosis.numbers,
                   action=diagnosis.action, exit_code=exit_code, subclass=diagnosis.subclass)
-
-    def _verdict(self, gen: _Generation, exit_code: int | None, was_ready: bool) -> Diagnosis:
-        verdict = gen.scanner.finish(exit_code, was_ready)
-        if verdict.cls is FailureClass.NONE and gen.early is not None:
-            return gen.early
-        if verdict.cls is FailureClass.HOST_OOM and verdict.subclass == "sigkill":
-            now = oom_kill_count()
-            if now is not None and gen.oom_kills_at_start is not None \
-                    and now == gen.oom_kills_at_start:
-                # SIGKILL without a kernel OOM kill: an operator or another program.
-                return Diagnosis(
-                    cls=FailureClass.OTHER_FATAL,
-                    evidence=f"{verdict.evidence} (the kernel recorded no OOM kill)",
-                    numbers=verdict.numbers, action="restart with backoff, same profile",
-                    restartable=True, subclass="killed")
-        return verdict
 
     async def _handle_command(self, command: EngineCommand) -> bool:
         """A command arriving while an engine runs. Returns True if it ended the generation."""
@@ -534,7 +529,7 @@ class EngineSupervisor:
             self._commands.put_nowait(EngineCommand.SHUTDOWN)  # let the idle loop exit
         return True
 
-    async def _generation_ended(self, gen: _Generation, *, was_ready: bool) -> bool:
+    async def _generation_ended(self, gen: Generation, *, was_ready: bool) -> bool:
         """Handle a queued command or the engine's exit; True if this generation is over."""
         command = self._drain_command()
         if command and await self._handle_command(command):
@@ -542,7 +537,7 @@ class EngineSupervisor:
         process = gen.process
         if process is not None and process.returncode is not None:
             code = await process.wait()
-            self._fail(self._verdict(gen, code, was_ready=was_ready), exit_code=code)
+            self._fail(gen.verdict(code, was_ready=was_ready), exit_code=code)
             return True
         return False
 
@@ -554,7 +549,7 @@ class EngineSupervisor:
             if await self._generation_ended(gen, was_ready=False):
                 return
             if await self._client.is_ready(self.engine.served_model_name):
-                foreign = self._foreign_listener(gen)
+                foreign = foreign_listener(self.engine.port, gen)
                 if foreign is not None:
                     self._fail(foreign, exit_code=None)
                     return
@@ -563,7 +558,7 @@ class EngineSupervisor:
                 seconds = round(gen.ready_at - gen.started_at, 1)
                 self._transition(EngineState.READY, "health 200 and model listed",
                                  seconds=seconds)
-                log.info(Event.ENGINE_READY, seconds=seconds, pid=self.pid,
+                self.log.info(Event.ENGINE_READY, seconds=seconds, pid=self.pid,
                          profile=self.profile.to_dict())
                 return
             now = time.monotonic()
@@ -628,49 +623,36 @@ class EngineSupervisor:
                     return
             await self._pause(1.0 if failed_probes == 0 else 0.5)
 
-    def _should_upshift(self, gen: _Generation, now: float) -> bool:
+    def _should_upshift(self, gen: Generation, now: float) -> bool:
         assert gen.ready_at is not None
-        return (self._stable and bool(self._steps_down) and not self.upshift_pinned
-                and self.engine.downshift.enabled
-                and now - gen.ready_at >= self.engine.downshift.upshift_after
-                and self.backlog())
+        return self._stable and self.policy.wants_upshift(now - gen.ready_at, self.backlog())
 
     async def _upshift(self) -> None:
         """Stable for upshift_after with work waiting: try the profile one step up."""
-        self._upshift_fallback = self.profile
-        self._change_profile(
-            self._steps_down.pop(), "upshift",
-            f"stable for {self.engine.downshift.upshift_after:g}s with a backlog: probing "
-            "one step back up", source="upshift")
+        self._record_change(self.policy.begin_upshift())
         await self._stop_generation("upshift probe")
         await self._spawn("upshift probe")
 
-    def _change_profile(self, new: MemoryProfile, failure: str, reason: str, *,
-                        degraded: bool = False, source: str = "downshift") -> None:
-        """Switch to ``new`` and record it as one ``profile_change`` event."""
-        changes = new.changes_from(self.profile)
-        if not changes:
+    def _record_change(self, change: ProfileChange | None) -> None:
+        """Log a ``profile_change`` event (and count it) for a change the policy made."""
+        if change is None:
             return
-        self.profile_changes.append(ProfileChange(time.time(), reason, failure, changes,
-                                                  degraded))
-        log.warning(Event.PROFILE_CHANGE, reason=reason, **{"class": failure},
-                    old={k: o for k, (o, _) in changes.items()},
-                    new={k: n for k, (_, n) in changes.items()}, degraded=degraded)
-        self.profile = new
-        self.profile_source = source
+        self.log.warning(Event.PROFILE_CHANGE, reason=change.reason, **{"class": change.failure},
+                    old={k: o for k, (o, _) in change.changes.items()},
+                    new={k: n for k, (_, n) in change.changes.items()},
+                    degraded=change.degraded)
         if self.observer is not None:
-            self.observer.profile_changed(failure)
+            self.observer.profile_changed(change.failure, self.engine_id)
 
     def _become_stable(self) -> None:
-        if self._upshift_fallback is not None:
-            log.info("profile_upshift_kept", profile=self.profile.to_dict())
-            self._upshift_fallback = None
+        if self.policy.stable():
+            self.log.info("profile_upshift_kept", profile=self.profile.to_dict())
         self._stable = True
-        self._restart_times.clear()
+        self.budget.clear()
         key = self.learned_key()
         if self.profiles is not None and key:
             self.profiles.save_learned_profile(key, self.profile.to_dict())
-        log.info(Event.ENGINE_STABLE, stable_seconds=self.engine.stable_seconds, learned_key=key,
+        self.log.info(Event.ENGINE_STABLE, stable_seconds=self.engine.stable_seconds, learned_key=key,
                  profile=self.profile.to_dict())
 
     async def _failed(self) -> None:
@@ -684,65 +666,40 @@ class EngineSupervisor:
             self._give_up(f"{diag.cls}: a restart cannot fix this ({diag.subclass or 'fatal'}): "
                           f"{diag.action}")
             return
-        now = time.monotonic()
-        self._restart_times.append(now)
-        while self._restart_times and now - self._restart_times[0] > self.engine.downshift.window:
-            self._restart_times.popleft()
-        if len(self._restart_times) > self.engine.downshift.max_restarts:
-            self._give_up(f"{len(self._restart_times)} failures within "
-                          f"{self.engine.downshift.window:g}s (max_restarts="
-                          f"{self.engine.downshift.max_restarts})")
+        spent = self.budget.charge(time.monotonic())
+        if spent:
+            self._give_up(spent)
             return
-        if self._upshift_fallback is not None:
-            # The probe one step up failed: back to what worked, and stay there.
-            fallback, self._upshift_fallback = self._upshift_fallback, None
-            self.upshift_pinned = True
-            self._change_profile(fallback, str(diag.cls),
-                                 f"upshift probe failed ({diag.cls}): reverted and pinned")
-        elif self.engine.downshift.enabled and not self._apply_ladder(diag):
+        outcome = self.policy.after_failure(
+            diag, max_pixels=self.ocr.max_pixels, max_output_tokens=self.ocr.max_output_tokens,
+            gpu=self.gpu.facts(self.engine.gpus) if self.policy.upshift_fallback is None
+            and self.engine.downshift.enabled else None)
+        if outcome.fatal:
+            self._give_up(outcome.fatal)
             return
+        self._record_change(outcome.change)
         self._enter_backoff()
-
-    def _apply_ladder(self, diag: Diagnosis) -> bool:
-        """Move one step down the ladder. Returns False if it gave up (FATAL)."""
-        decision = next_profile(
-            self.profile, str(diag.cls), diag.numbers, self.engine.downshift,
-            max_pixels=self.ocr.max_pixels, max_output_tokens=self.ocr.max_output_tokens,
-            gpu=self.gpu.facts(self.engine.gpus), failed=self._failed_profiles,
-        )
-        if decision.profile is None:
-            self._give_up(decision.reason)
-            return False
-        if decision.profile != self.profile:
-            self._failed_profiles[self.profile] = (str(diag.cls), dict(diag.numbers))
-            self._steps_down.append(self.profile)
-            self._change_profile(decision.profile, str(diag.cls), decision.reason,
-                                 degraded=decision.degraded)
-        return True
 
     def _give_up(self, reason: str) -> None:
         self.fatal_reason = reason
         self._transition(EngineState.FATAL, reason)
-        log.critical(Event.ENGINE_FATAL, reason=reason,
+        self.log.critical(Event.ENGINE_FATAL, reason=reason,
                      hint="fix the cause, then `chandractl engine restart` or `chandractl reload`")
 
     def _enter_backoff(self) -> None:
-        self.restarts += 1
-        n = max(1, len(self._restart_times))
-        ds = self.engine.downshift
-        self._backoff_delay = min(ds.backoff_initial * 2 ** (n - 1), ds.backoff_max)
+        delay = self.budget.next_backoff()
         self._transition(EngineState.BACKOFF, "waiting before restart",
-                         delay_s=self._backoff_delay, restarts=self.restarts)
+                         delay_s=delay, restarts=self.restarts)
 
     async def _backoff(self) -> bool:
-        command = await self._next_command(self._backoff_delay)
+        command = await self._next_command(self.budget.delay)
         if command is EngineCommand.SHUTDOWN:
             self._transition(EngineState.STOPPED, "shutdown during backoff")
             return False
         if command is EngineCommand.STOP:
             self._transition(EngineState.STOPPED, "stop during backoff")
             return True
-        log.info(Event.ENGINE_RESTART, restarts=self.restarts, profile=self.profile.to_dict())
+        self.log.info(Event.ENGINE_RESTART, restarts=self.restarts, profile=self.profile.to_dict())
         await self._spawn("restart after failure" if command is None else "operator restart")
         return True
 
@@ -759,15 +716,15 @@ class EngineSupervisor:
         process = gen.process
         escaped = process.escaped()
         if escaped:
-            log.warning("engine_escaped_session", pids=sorted(escaped),
+            self.log.warning("engine_escaped_session", pids=sorted(escaped),
                         names=[process_name(p) for p in sorted(escaped)],
                         reason="descendants that called setsid; found by the engine's token")
         survivors = await process.stop(self.engine.stop_timeout)
         if survivors:
-            log.error(Event.ENGINE_ORPHANS, pids=sorted(survivors),
+            self.log.error(Event.ENGINE_ORPHANS, pids=sorted(survivors),
                       names=[process_name(p) for p in sorted(survivors)])
         await self._wait_gpu_release(process.known_pids)
-        self._record_session(None)
+        self.session.record(None)
         if self._state is EngineState.STOPPING:
             self._transition(EngineState.STOPPED, reason)
 
@@ -778,72 +735,7 @@ class EngineSupervisor:
             await asyncio.sleep(0.5)
             held = self.gpu.memory_held_by(pids)
         if held:
-            log.error(Event.ENGINE_GPU_MEMORY_HELD, pids=sorted(held), bytes=sum(held.values()))
-
-    def _record_session(self, identity: EngineIdentity | None) -> None:
-        """Remember what identifies the engine on disk, so that after a crash of the daemon
-        the next start can find and stop the engine it left behind (and nothing else)."""
-        if self.session_file is None:
-            return
-        if identity is None:
-            self.session_file.unlink(missing_ok=True)
-        else:
-            tmp = self.session_file.with_name(self.session_file.name + ".tmp")
-            tmp.write_text(identity.to_json() + "\n")
-            os.replace(tmp, self.session_file)
-
-    async def _reap_stale_session(self) -> None:
-        """Stop an engine a previous daemon left behind: only processes that carry its
-        token, and only in the boot it was spawned in (issue 16 #1)."""
-        if self.session_file is None or not self.session_file.exists():
-            return
-        try:
-            text = self.session_file.read_text()
-        except OSError:
-            text = ""
-        identity = EngineIdentity.from_json(text)
-        if identity is None:
-            log.warning("engine_stale_session_unverifiable", file=str(self.session_file),
-                        content=text.strip()[:200],
-                        reason="no engine identity recorded; nothing is killed")
-        else:
-            killed = await kill_pids(lambda: stale_engine_pids(identity),
-                                     self.engine.stop_timeout)
-            if killed:
-                log.warning("engine_stale_session_killed", sid=identity.pid,
-                            pids=sorted(killed),
-                            reason="left behind by a previous daemon that did not stop cleanly")
-            else:
-                log.info("engine_stale_session_gone", sid=identity.pid,
-                         same_boot=identity.boot_id == boot_id())
-        self.session_file.unlink(missing_ok=True)
-
-    def _port_taken(self) -> Diagnosis | None:
-        """Before a spawn: a failure if something already listens on the engine's port."""
-        inodes = listening_inodes(self.engine.port)
-        if not inodes:
-            return None
-        who = _holders_text(inodes) or "a process chandrad cannot see"
-        return self._port_in_use(f"port {self.engine.port} is already in use by {who}; "
-                                 "not spawning the engine")
-
-    def _foreign_listener(self, gen: _Generation) -> Diagnosis | None:
-        """At readiness: a failure if the server answering on the port is not our engine."""
-        if gen.process is None:
-            return None
-        inodes = listening_inodes(self.engine.port)
-        if socket_holders(inodes, gen.process.members()):
-            return None
-        who = _holders_text(inodes) or "holder not visible"
-        return self._port_in_use(f"a server that is not our engine answers on port "
-                                 f"{self.engine.port} ({who}); our engine does not hold the port")
-
-    def _port_in_use(self, evidence: str) -> Diagnosis:
-        return Diagnosis(
-            cls=FailureClass.OTHER_FATAL, evidence=evidence,
-            numbers={"port": float(self.engine.port)},
-            action="stop the other server or change engine.port; retrying with backoff",
-            restartable=True, subclass="port_in_use")
+            self.log.error(Event.ENGINE_GPU_MEMORY_HELD, pids=sorted(held), bytes=sum(held.values()))
 
     async def shutdown(self) -> None:
         """Stop the engine and end :meth:`run` (the caller awaits the run task)."""
@@ -859,8 +751,8 @@ class EngineSupervisor:
         if not self.engine.supervised:
             return ""
         name, count = self.gpu.identity(self.engine.gpus)
-        return learned_key(self.engine, self.ocr, self.configured_profile, gpu_name=name,
-                           gpu_count=count, vllm_version=self.vllm_version)
+        return learned_key(self.engine, self.ocr, self.policy.configured, gpu_name=name,
+                           gpu_count=count, vllm_version=self.vllm_version, cpus=self.cpus)
 
     def _load_learned(self) -> None:
         key = self.learned_key()
@@ -868,14 +760,6 @@ class EngineSupervisor:
             return
         data = self.profiles.load_learned_profile(key)
         if data:
-            self.profile = MemoryProfile.from_dict(data)
-            self.profile_source = "learned"
-            if self.profile != self.configured_profile:
-                self._steps_down = [self.configured_profile]
-            log.info("profile_learned_loaded", key=key, profile=data)
+            self.policy.adopt_learned(MemoryProfile.from_dict(data))
+            self.log.info("profile_learned_loaded", key=key, profile=data)
 
-
-def _holders_text(inodes: set[int]) -> str:
-    """The processes holding the listening sockets ``inodes``, for an evidence line."""
-    return ", ".join(f"pid {p} ({process_name(p)[:80] or '?'})"
-                     for p in sorted(socket_holders(inodes)))
