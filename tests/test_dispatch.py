@@ -10,12 +10,13 @@ from pathlib import Path
 
 from standin_engine import write_standin
 from test_replicas_daemon import port_pair
-from test_supervision import GpuStandIn, engine_config, wait_for
+from test_supervision import GpuStandIn, engine_config
+from waiting import wait_until_async as wait_for
 
 from chandrad.config import OcrConfig
 from chandrad.engine.dispatch import Dispatcher
 from chandrad.engine.supervisor import EngineSupervisor
-from chandrad.states import EngineState
+from chandrad.states import EngineCommand, EngineState
 
 
 def test_requests_spread_by_free_capacity_and_skip_an_engine_that_left_ready(
@@ -54,11 +55,11 @@ def test_requests_spread_by_free_capacity_and_skip_an_engine_that_left_ready(
                 dispatcher.release(lease)  # a second release of one lease counts once
             assert dispatcher.outstanding == {"0": 0, "1": 0}
             # Engine 1 leaves ready: no request goes there; none ready: no engine at all.
-            engines[1].request("stop")
+            engines[1].request(EngineCommand.STOP)
             await wait_for(lambda: engines[1].state is EngineState.STOPPED, 30, "1 stopped")
             picked = [dispatcher.pick() for _ in range(3)]
             assert {p.engine_id for p in picked if p} == {"0"}
-            engines[0].request("stop")
+            engines[0].request(EngineCommand.STOP)
             await wait_for(lambda: engines[0].state is EngineState.STOPPED, 30, "0 stopped")
             assert dispatcher.pick() is None
         finally:

@@ -16,7 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from standin_engine import write_standin
-from test_supervision import GpuStandIn, engine_config, spawns, supervise, wait_for
+from test_supervision import GpuStandIn, engine_config, spawns, supervise
+from waiting import wait_until_async as wait_for
 
 from chandrad.config import DownshiftConfig, OcrConfig
 from chandrad.engine.budget import RestartBudget

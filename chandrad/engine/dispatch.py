@@ -26,6 +26,7 @@ from typing import Any
 
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import EngineUnavailable
+from chandrad.protocol import EngineStatus
 from chandrad.states import EngineState
 
 #: States in which an engine is expected to serve again without an operator.
@@ -181,7 +182,7 @@ class Dispatcher:
             recent.popleft()
         return float(len(recent))
 
-    def engine_snapshots(self) -> list[dict[str, Any]]:
+    def engine_snapshots(self) -> list[EngineStatus]:
         """``status``'s ``engines``: each engine's own snapshot plus its dispatch figures."""
         out = []
         for engine in self.engines:
@@ -192,6 +193,6 @@ class Dispatcher:
             out.append(snap)
         return out
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> EngineStatus:
         """Engine 0's snapshot (the single ``engine`` object of ``status``)."""
         return self.engine_snapshots()[0]

@@ -21,7 +21,6 @@ import structlog
 
 from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
 from chandrad.engine.process import EngineProcess, kill_pids, oom_kill_count, process_name
-from chandrad.events import Event
 from chandrad.engine.session import (
     EngineIdentity,
     boot_id,
@@ -29,6 +28,7 @@ from chandrad.engine.session import (
     socket_holders,
     stale_engine_pids,
 )
+from chandrad.events import Event
 
 log = structlog.get_logger("chandrad.engine")
 

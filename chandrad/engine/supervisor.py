@@ -652,8 +652,8 @@ class EngineSupervisor:
         key = self.learned_key()
         if self.profiles is not None and key:
             self.profiles.save_learned_profile(key, self.profile.to_dict())
-        self.log.info(Event.ENGINE_STABLE, stable_seconds=self.engine.stable_seconds, learned_key=key,
-                 profile=self.profile.to_dict())
+        self.log.info(Event.ENGINE_STABLE, stable_seconds=self.engine.stable_seconds,
+                      learned_key=key, profile=self.profile.to_dict())
 
     async def _failed(self) -> None:
         diag = self.last_failure
@@ -735,7 +735,8 @@ class EngineSupervisor:
             await asyncio.sleep(0.5)
             held = self.gpu.memory_held_by(pids)
         if held:
-            self.log.error(Event.ENGINE_GPU_MEMORY_HELD, pids=sorted(held), bytes=sum(held.values()))
+            self.log.error(Event.ENGINE_GPU_MEMORY_HELD, pids=sorted(held),
+                           bytes=sum(held.values()))
 
     async def shutdown(self) -> None:
         """Stop the engine and end :meth:`run` (the caller awaits the run task)."""
