@@ -192,8 +192,8 @@ def test_daemon_fetches_a_missing_model_then_starts_the_engine(
                     break
             else:
                 seen.append(engine["fetch"])
-                if not text:
-                    text = ctl(sock, "status").stdout
+                if not text and engine["fetch"]["total"]:  # the size is known once the
+                    text = ctl(sock, "status").stdout      # child has listed the repo
             assert time.monotonic() < deadline, (engine, log.read_text()[-3000:])
             time.sleep(0.3)
         ready = wait_engine(sock, proc, log, "ready", timeout=60)
