@@ -1,4 +1,4 @@
-"""What NVML showed while chandrad ran on a real H200 (issue 14; tests/fixtures/gpu/).
+"""What NVML showed while chandrad ran on one and on two real H200s (issue 14; tests/fixtures/gpu/).
 
 The captures come from the device machine (``tests/fixtures/gpu/capture_gpu_run.py``): the
 real daemon supervising the GPU stand-in engine, which held real CUDA memory and ran out of
@@ -29,6 +29,7 @@ from chandrad.engine.classify import FailureClass, classify
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE / "fixtures" / "gpu"
 ONE_GPU = json.loads((FIXTURES / "h200_1gpu_capture.json").read_text())
+TWO_GPU = json.loads((FIXTURES / "h200_2gpu_capture.json").read_text())
 MIB = 1 << 20
 
 
@@ -159,9 +160,11 @@ REPLAY = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("label", ["ready", "ready_after_oom"])
-def test_chandrad_gpu_maps_nvml_as_on_the_device(tmp_path: Path, label: str) -> None:
-    [capture] = _by_label(ONE_GPU, label)
+@pytest.mark.parametrize(("gpus", "label"), [(1, "ready"), (1, "ready_after_oom"),
+                                             (2, "ready"), (2, "ready_after_oom")])
+def test_chandrad_gpu_maps_nvml_as_on_the_device(tmp_path: Path, gpus: int, label: str) -> None:
+    record = json.loads((FIXTURES / f"h200_{gpus}gpu_capture.json").read_text())
+    [capture] = _by_label(record, label)
     (tmp_path / "pynvml.py").write_text(REPLAY)
     env = {**os.environ, "NVML_REPLAY": json.dumps(capture["nvml"]),
            "PYTHONPATH": f"{tmp_path}{os.pathsep}{HERE.parent}"}
@@ -176,3 +179,75 @@ def test_chandrad_gpu_maps_nvml_as_on_the_device(tmp_path: Path, label: str) -> 
             for p in g["processes"]:
                 p.pop("name")
     assert here["gpus"] == there["gpus"]
+
+
+# ------------------------------------------------------------------ two H200s, two replicas
+
+
+def _holders(capture: dict[str, Any]) -> dict[str, set[int]]:
+    """GPU uuid → pids holding memory on it, as NVML answered."""
+    return {d["uuid"]: {p[0] for p in d["compute"]} for d in capture["nvml"]}
+
+
+def _replica_trees(capture: dict[str, Any]) -> dict[str, set[int]]:
+    """replica id → the pids of its process tree."""
+    return {e["id"]: {p["pid"] for p in tree if "comm" in p}
+            for e, tree in zip(capture["engines"], capture["engine_processes"], strict=True)}
+
+
+def test_each_replica_holds_memory_on_its_own_card_only() -> None:
+    """Both ready, and again after the OOM: each replica's processes see exactly its card
+    (CUDA_VISIBLE_DEVICES = its GPU's UUID), NVML shows its core on that card and on no
+    other, and chandractl gpu names the same card for it."""
+    for label in ("ready", "ready_after_oom"):
+        [capture] = _by_label(TWO_GPU, label)
+        holders = _holders(capture)
+        assert len(holders) == 2
+        trees = _replica_trees(capture)
+        gpu_of = {e["id"]: e["gpus"] for e in capture["chandractl_gpu"]["engines"]}
+        for engine, tree in zip(capture["engines"], capture["engine_processes"], strict=True):
+            [uuid] = engine["gpus"]
+            assert gpu_of[engine["id"]] == [uuid]
+            assert {p["CUDA_VISIBLE_DEVICES"] for p in tree if "comm" in p} == {uuid}
+            on = {u for u, pids in holders.items() if pids & trees[engine["id"]]}
+            assert on == {uuid}, (label, engine["id"], holders)
+        assert {u for e in capture["engines"] for u in e["gpus"]} == set(holders)
+
+
+def test_an_oom_on_replica_0_leaves_replica_1_serving_untouched() -> None:
+    [ready] = _by_label(TWO_GPU, "ready")
+    [after] = _by_label(TWO_GPU, "ready_after_oom")
+    during = _by_label(TWO_GPU, "during_oom")
+    r0, r1 = ready["engines"]
+    uuid1 = r1["gpus"][0]
+    [[core1, _]] = next(d["compute"] for d in ready["nvml"] if d["uuid"] == uuid1)
+    # From the OOM request to replica 0 serving again: replica 1's pid, profile and NVML
+    # entry (its core's pid and bytes) never change. (Its bytes grew by cuBLAS's workspace
+    # at its first page, before the OOM: tests/fixtures/gpu/README.md.)
+    window = [*during, after]
+    held1 = next(d["compute"] for d in window[0]["nvml"] if d["uuid"] == uuid1)
+    assert [pid for pid, _ in held1] == [core1]
+    for capture in window:
+        one = capture["engines"][1]
+        assert (one["pid"], one["restarts"], one["last_failure"]) == (r1["pid"], 0, None)
+        assert one["profile"] == r1["profile"]
+        assert next(d["compute"] for d in capture["nvml"] if d["uuid"] == uuid1) == held1
+    # Replica 0 alone: classified, downshifted, restarted (a new process tree).
+    a0 = after["engines"][0]
+    assert a0["pid"] != r0["pid"] and a0["restarts"] == 1
+    assert a0["last_failure"]["class"] == "cuda_oom_runtime"
+    assert "torch.OutOfMemoryError" in a0["last_failure"]["evidence"]
+    assert (r0["profile"]["max_num_seqs"], a0["profile"]["max_num_seqs"]) == (64, 32)
+    assert not _replica_trees(ready)["0"] & _replica_trees(after)["0"]
+    # Pages kept flowing to replica 1 while replica 0 was down; replica 0 answered none.
+    down = [c for c in during if c["engines"][0]["state"] != "ready"]
+    assert down[-1]["engines"][1]["answered"] > down[0]["engines"][1]["answered"]
+    assert down[-1]["engines"][0]["answered"] == down[0]["engines"][0]["answered"]
+    assert down[-1]["pages_done"] == TWO_GPU["pages_done"] == 16
+
+
+def test_nothing_of_either_replica_holds_memory_after_the_stop() -> None:
+    [stopped] = _by_label(TWO_GPU, "after_stop")
+    assert TWO_GPU["daemon_exit"] == 0 and _apps(stopped) == []
+    assert len(stopped["nvml"]) == 2
+    assert all(d["compute"] == [] and d["memory_v2"][1] == 0 for d in stopped["nvml"])
