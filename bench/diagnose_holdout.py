@@ -31,6 +31,11 @@ from chandrad.engine.classify import FailureClass, classify
 DATA = Path(__file__).resolve().parent.parent / "tests/fixtures/classify/real_excerpts.jsonl"
 #: A second hold-out, collected after the classifier was frozen on the first one's score.
 DATA2 = DATA.with_name("real_excerpts_holdout2.jsonl")
+#: Round 3: new dev data (``dev3``) and a fresh hold-out (``holdout3``), labelled before the
+#: classifier was run on them.
+DATA3 = DATA.with_name("real_excerpts_round3.jsonl")
+#: The splits whose individual misses may be listed (and so tuned on).
+DEV_SPLITS = frozenset({"dev", "dev3"})
 
 MEMORY_CLASSES = frozenset(
     {
@@ -85,9 +90,12 @@ class Report:
 
 
 def load(split: str, path: Path = DATA) -> list[dict[str, Any]]:
-    """The excerpts of one split ("dev", "holdout", "all" = both, or "holdout2")."""
-    if split == "holdout2" and path == DATA:
+    """The excerpts of one split: "dev", "holdout", "all" (both) of the first file,
+    "holdout2" of the second, "dev3" / "holdout3" of round 3."""
+    if path == DATA and split == "holdout2":
         path = DATA2
+    elif path == DATA and split in ("dev3", "holdout3"):
+        path = DATA3
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if split == "all" or r["split"] == split]
 
@@ -128,14 +136,19 @@ def render(report: Report) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--split", choices=["holdout", "dev", "all", "holdout2"], default="holdout")
+    parser.add_argument(
+        "--split",
+        choices=["holdout", "dev", "all", "holdout2", "dev3", "holdout3"],
+        default="holdout",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--misses", action="store_true", help="list misclassified excerpts (not for holdout)"
     )
     args = parser.parse_args(argv)
-    if args.misses and args.split != "dev":
-        print("--misses is for the dev split only: the hold-out is never tuned on", file=sys.stderr)
+    if args.misses and args.split not in DEV_SPLITS:
+        print("--misses is for the dev splits only: a hold-out is never tuned on",
+              file=sys.stderr)
         return 2
     report = evaluate(args.split)
     if args.json:

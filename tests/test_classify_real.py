@@ -108,8 +108,35 @@ def test_second_holdout_does_not_regress() -> None:
 
 
 def test_no_false_memory_call_anywhere() -> None:
-    """No excerpt of either split with a non-memory label is called a memory failure."""
-    assert BENCH.evaluate("all").false_memory_calls == 0
+    """No excerpt of any file with a non-memory label is called a memory failure."""
+    for split in ("all", "holdout2", "dev3"):
+        assert BENCH.evaluate(split).false_memory_calls == 0, split
+
+
+# --------------------------------------------------------------------------- round 3
+# real_excerpts_round3.jsonl: labelled by what the log proves and committed before the
+# classifier was run on it; dev3 was tuned on, holdout3 was scored once afterwards.
+DEV3: list[dict[str, Any]] = BENCH.load("dev3")
+
+
+def test_round3_split_is_fixed_by_url_hash_and_disjoint() -> None:
+    """Round 3's split is a function of the URL, and no thread of it is in an earlier file."""
+    import hashlib
+
+    rows = BENCH.load("dev3") + BENCH.load("holdout3")
+    assert len(rows) >= 60
+    earlier = {r["source"] for r in BENCH.load("all") + BENCH.load("holdout2")}
+    for row in rows:
+        bucket = int(hashlib.sha256(row["source"].encode()).hexdigest(), 16) % 2
+        assert row["split"] == ("holdout3" if bucket == 0 else "dev3"), row["id"]
+        assert row["source"] not in earlier, row["id"]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in DEV3])
+def test_dev3_excerpt(case: dict[str, Any]) -> None:
+    """Every round-3 dev excerpt classifies to its hand label."""
+    d = classify(case["text"])
+    assert d.cls is FailureClass(case["label"]), (case["source"], d)
 
 
 # --------------------------------------------------------------------------- the kinds of miss
@@ -178,6 +205,35 @@ def test_no_false_memory_call_anywhere() -> None:
             FailureClass.HOST_OOM,
         ),
         ("./start.sh: line 12:    57 Killed    python -m vllm.entrypoints", FailureClass.HOST_OOM),
+        # Round 3: engine deaths pasted without their cause are failures, never memory.
+        (
+            "ERROR 10-23 18:21:12 [core_client.py:597] Engine core proc EngineCore_DP0 died "
+            "unexpectedly, shutting down client.",
+            FailureClass.OTHER_FATAL,
+        ),
+        (
+            "ERROR 07-04 17:35:16 [multiproc_executor.py:140] Worker proc VllmWorker-1 died "
+            "unexpectedly, shutting down executor.",
+            FailureClass.OTHER_FATAL,
+        ),
+        # A traceback whose exception line the paste cut off.
+        (
+            'File "/usr/lib/python3/site-packages/vllm/entrypoints/openai/api_server.py", '
+            "line 947, in run_server\n    async with build_async_engine_client(args) as c:",
+            FailureClass.OTHER_FATAL,
+        ),
+        # Ray naming the OOM killer as one possible cause is not a report of it.
+        (
+            "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this "
+            "task.\nSome common causes include: (1) the process was killed by the OOM killer "
+            "due to high memory usage, (2) ray stop --force was called",
+            FailureClass.OTHER_FATAL,
+        ),
+        # V1's negative KV budget (INFO) is V0's "reserved for KV Cache is -N".
+        (
+            "INFO [gpu_worker.py:255] Available KV cache memory: -0.87 GiB",
+            FailureClass.KV_CACHE_INSUFFICIENT,
+        ),
         # Not memory at all.
         (
             "ERROR [core.py:862] EngineCore encountered a fatal error.\n"

@@ -262,6 +262,7 @@ _KV_FRAMES = re.compile(r"\b_?check_enough_kv_cache_memory\b|\braise_if_cache_si
 _KV_INFO = re.compile(
     r"# (?:GPU|CUDA) blocks: 0\b"
     r"|reserved for KV Cache is -\d"
+    r"|Available KV cache memory: -\d"
     r"|Maximum concurrency for [\d,]+ tokens per request: 0\.\d+x",
     _I,
 )
@@ -475,7 +476,10 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
             r"|WorkerProc failed to start|WorkerProc hit an exception"
             r"|MQLLMEngine is already dead|Engine loop has died|\bEngineDeadError\b"
             r"|Background loop has errored|Task finished unexpectedly"
-            r"|got fatal signal from worker processes",
+            r"|got fatal signal from worker processes"
+            # "Engine core proc EngineCore_DP0 died unexpectedly", "Worker proc VllmWorker-1
+            # died unexpectedly", Ray's "The actor died unexpectedly" / ActorDiedError.
+            r"|\b(?:engine|worker|core|actor)\w*\b[^\n]{0,50}?\bdied\b|\bActorDiedError\b",
             _I,
         ),
         "engine_died",
@@ -497,6 +501,19 @@ _AFTER_STOP_BENIGN = frozenset({"engine_died", "exited", "crash"})
 # A Python exception at the start of a cleaned line: "ValueError: ...", "torch.X: ...".
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit)\b:?")
 _BENIGN_EXCEPTIONS = re.compile(r"^(?:asyncio\.)?CancelledError|^KeyboardInterrupt|^SystemExit")
+
+# Words that make what follows on the line a possibility, not a report.
+_HEDGE = re.compile(
+    r"\b(?:causes? (?:include|may be|could be)|could|might|may (?:be|have)|possibl[ey]"
+    r"|probably|perhaps|e\.g\.|such as|if|whether)\b",
+    _I,
+)
+# A traceback's header, a frame (CPython's and faulthandler's forms), multiprocessing's
+# "Process EngineCore_0:" line before a child's traceback.
+_TRACEBACK = re.compile(
+    r'^Traceback \(most recent call last\)|^File "[^"]+", line \d+'
+    r"|^Process [A-Za-z_][\w-]*:$",
+)
 
 _SHUTDOWN_SIGNAL = re.compile(
     r"received signal=?\s*SIG(?:TERM|INT)|(?:SIGTERM|SIGINT) received|Received (?:SIGTERM|SIGINT)"
@@ -626,11 +643,24 @@ def _rank(line: _Line) -> int:
     return 2 if _CODE_LINE.match(line.text) else 1
 
 
-def _find(lines: Sequence[_Line], pattern: re.Pattern[str], *, any_level: bool = False) -> int:
-    """Index of the best line matching ``pattern`` (an exception line first), or -1."""
+def _find(
+    lines: Sequence[_Line],
+    pattern: re.Pattern[str],
+    *,
+    any_level: bool = False,
+    unless_before: re.Pattern[str] | None = None,
+) -> int:
+    """Index of the best line matching ``pattern`` (an exception line first), or -1.
+
+    With ``unless_before``, a match preceded on its line by that pattern does not count
+    ("Some common causes include: (1) the process was killed by the OOM killer").
+    """
     best, best_rank = -1, 3
     for i, ln in enumerate(lines):
-        if (any_level or not ln.benign_level) and pattern.search(ln.text):
+        m = pattern.search(ln.text) if (any_level or not ln.benign_level) else None
+        if m and unless_before is not None and unless_before.search(ln.text[: m.start()]):
+            m = None
+        if m:
             r = _rank(ln)
             if r < best_rank:
                 best, best_rank = i, r
@@ -766,9 +796,9 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         cls = FailureClass.CUDA_OOM_RUNTIME if runtime else FailureClass.CUDA_OOM_LOAD
         return _make(cls, lines[first], numbers, subclass=sub)
 
-    # 3. Host memory.
+    # 3. Host memory (asserted, not listed among possible causes).
     for pattern in (_RAY_HOST_OOM, _HOST_OOM):
-        i = _find(lines, pattern, any_level=True)
+        i = _find(lines, pattern, any_level=True, unless_before=_HEDGE)
         if i >= 0:
             return _make(FailureClass.HOST_OOM, lines[i], {})
 
@@ -803,6 +833,11 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
             last_exc = k
     if last_exc >= 0:
         return _make(FailureClass.OTHER_FATAL, lines[last_exc], {}, subclass="exception")
+    # A traceback whose exception line the paste (or the log's tail) lost still proves that
+    # something raised: a failure of unknown cause, never a memory verdict.
+    frame = _find(lines[: stop if stop >= 0 else None], _TRACEBACK)
+    if frame >= 0:
+        return _make(FailureClass.OTHER_FATAL, lines[frame], {}, subclass="traceback")
     if exit_code not in (None, 0):
         last_err = next((ln for ln in reversed(lines) if ln.level == "ERROR" and ln.text), None)
         return _make(FailureClass.OTHER_FATAL, last_err, {}, subclass="exited")
