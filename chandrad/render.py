@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import structlog
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ from chandrad.errors import (
     TooManyPages,
     UnsupportedFormat,
 )
+
+log = structlog.get_logger(__name__)
 
 #: Image formats Chandra's CLI accepts (chandra/scripts/cli.py), by Pillow format name.
 IMAGE_FORMATS = frozenset({"PNG", "JPEG", "GIF", "WEBP", "TIFF", "BMP", "MPO"})
@@ -550,7 +553,10 @@ class RenderPool:
 
     A worker that dies (segfault in a decoder, killed for memory) or overruns
     ``timeout`` is taken down with the whole pool, which is rebuilt for the next call;
-    the affected call raises :class:`RenderCrashed` or :class:`RenderTimeout`.
+    the affected call raises :class:`RenderCrashed` or :class:`RenderTimeout`. A worker
+    that dies while idle breaks the executor without failing any call: the next call
+    finds it refusing work, replaces it and runs on the fresh pool (logged as
+    ``render_pool_replaced``).
 
     A call is handed to the pool only when a worker is free, so ``timeout`` times the
     work, never the wait for a worker; a free worker goes to post-processing before
@@ -601,12 +607,26 @@ class RenderPool:
     async def _run(self, what: str, fn: Any, *args: Any, urgent: bool = False) -> Any:
         loop = asyncio.get_running_loop()
         reruns = 0
+        fresh_pools = 0
         while True:
             slots = self._slots(loop)
             await slots.acquire(urgent)
             try:
                 executor = self._pool()
-                future = loop.run_in_executor(executor, _in_worker, fn, *args)
+                try:
+                    future = loop.run_in_executor(executor, _in_worker, fn, *args)
+                except BrokenProcessPool as exc:
+                    # A worker died while no call of ours ran on it (killed while idle,
+                    # a crash at teardown): the executor refuses every submit from now
+                    # on. This call is innocent: replace the pool and submit again.
+                    self._recycle(executor)
+                    if fresh_pools < 1:
+                        fresh_pools += 1
+                        log.warning("render_pool_replaced", call=what,
+                                    reason="a render worker died while idle")
+                        continue
+                    raise RenderCrashed(
+                        f"{what}: render worker died (crash or out of memory)") from exc
                 try:
                     return await asyncio.wait_for(future, self.timeout)
                 except TimeoutError as exc:

@@ -441,6 +441,32 @@ def test_pool_survives_a_killed_worker() -> None:
     _check_page(page, 0)
 
 
+def test_pool_recovers_from_a_worker_killed_while_idle() -> None:
+    """A worker that dies between calls (the OOM killer, a segfault at teardown, kill -9)
+    breaks the executor without failing any call of ours: the next calls must run on a
+    fresh pool, not raise BrokenProcessPool at submit for ever (every later document went
+    to failed/ as internal_error until the daemon was restarted)."""
+    quick = CORPUS_DIR / "good/digital_sf424-federal-form.pdf"
+
+    async def main() -> tuple[list[int], list[int], list[int]]:
+        pool = RenderPool(workers=1)
+        try:
+            await pool.probe(quick, 10)  # start the worker, then let it idle
+            first = _worker_pids()
+            for pid in first:
+                psutil.Process(pid).kill()
+                psutil.Process(pid).wait(10)
+            await asyncio.sleep(1.0)  # the executor's manager thread notices the death
+            counts = [(await pool.probe(quick, 10)).page_count for _ in range(3)]
+            return first, counts, _worker_pids()
+        finally:
+            pool.close()
+
+    first, counts, now = asyncio.run(main())
+    assert counts == [1, 1, 1]
+    assert now and not set(now) & set(first)
+
+
 def test_pool_times_out_a_slow_page_and_recovers() -> None:
     """A page slower than the timeout fails with render_timeout and its worker is stopped."""
     slow = CORPUS_DIR / "bad/broken_huge-pixels-35000px_hugemono.pdf"
