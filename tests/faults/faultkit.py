@@ -108,6 +108,8 @@ class Daemon:
     engine_toml: str
     settle: float = 0.5
     ocr_extra: str = ""
+    #: ``ocr.max_output_tokens``: small, as the stand-in and the tiny model answer anyway.
+    max_output_tokens: int = 48
     proc: subprocess.Popen[bytes] | None = None
     started: list[float] = field(default_factory=list)
 
@@ -128,7 +130,7 @@ settle_seconds = {self.settle}
 poll_interval = 0.5
 
 [ocr]
-max_output_tokens = 48
+max_output_tokens = {self.max_output_tokens}
 retries = 1
 request_timeout = 60
 render_workers = 1
