@@ -421,6 +421,7 @@ class Daemon:
         self._set_state(DaemonState.STOPPING, "SIGTERM")
         self.notifier.stopping("draining: finishing accepted pages")
         self.pipeline.accepting = False
+        self.pipeline.starting_jobs = False  # finish what runs; the queue waits for the next start
         if self.watcher is not None:
             self.tasks.let_finish("watcher")
             self.watcher.stop()

@@ -67,7 +67,7 @@ from chandrad.protocol import HeldJob, HeldStatus
 from chandrad.render import RenderedPage, RenderPool
 from chandrad.states import JobState, PageState
 from chandrad.store import Job, Store
-from chandrad.tasks import working_on
+from chandrad.tasks import cancel_and_wait, working_on
 
 log = structlog.get_logger("chandrad.pipeline")
 
@@ -197,6 +197,8 @@ class Pipeline:
         self.workers = render.workers
         self.dispatching = asyncio.Event()
         self.dispatching.set()
+        #: False once the daemon is stopping: no queued job is started any more.
+        self.starting_jobs = True
         self.accepting = True
         self._inflight = DynamicLimiter(self._request_limit)
         self._window = DynamicLimiter(self._window_limit)
@@ -341,6 +343,8 @@ class Pipeline:
         return self._watches_by_root().get(job.input_root)
 
     def _start_jobs(self) -> None:
+        if not self.starting_jobs:
+            return  # stopping (SIGTERM): the jobs running finish, queued ones wait
         free = self._job_slots() - len(self._active)
         if free <= 0:
             return
@@ -423,11 +427,10 @@ class Pipeline:
 
     async def stop_jobs(self) -> None:
         """Cancel the jobs in progress and wait for them (the daemon stops); their pages in
-        flight go back to the queue when the daemon releases them."""
-        tasks = list(self._active.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        flight go back to the queue when the daemon releases them. A job that swallowed its
+        cancellation is cancelled again (``chandrad.tasks.cancel_and_wait``)."""
+        self.starting_jobs = False
+        await cancel_and_wait(list(self._active.values()))
 
     async def cancel_job(self, job_id: int) -> bool:
         task = self._active.get(job_id)

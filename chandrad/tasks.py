@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import contextvars
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,40 @@ class _Slot:
 
 _current: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar(
     "chandrad_task_slot", default=None)
+
+
+#: How long :func:`cancel_and_wait` waits before cancelling a task again, and in all.
+RECANCEL_AFTER = 1.0
+GIVE_UP_STOPPING_AFTER = 30.0
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], *,
+                          patience: float = RECANCEL_AFTER,
+                          give_up_after: float = GIVE_UP_STOPPING_AFTER) -> list[str]:
+    """Cancel ``tasks`` and wait until they are done; returns the names of any still
+    running after ``give_up_after`` seconds (logged as ``tasks_not_stopping``).
+
+    A task still running after ``patience`` seconds is cancelled again: on Python 3.11
+    ``asyncio.wait_for`` swallows a cancellation that arrives as its awaitable completes,
+    and a loop around it then runs on for ever (seen: the dispatch loop kept the daemon
+    from exiting after SIGTERM).
+    """
+    pending = {t for t in tasks if not t.done()}
+    for task in pending:
+        task.cancel()
+    deadline = time.monotonic() + give_up_after
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=patience)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: a task that raised while stopping is over
+        if pending and time.monotonic() >= deadline:
+            left = sorted(t.get_name() for t in pending)
+            log.error("tasks_not_stopping", tasks=left, waited_s=give_up_after)
+            return left
+        for task in pending:
+            task.cancel()
+    return []
 
 
 @contextlib.contextmanager
@@ -148,12 +182,7 @@ class TaskSupervisor:
         chosen = [t for t in self._tasks.values() if not names or t.name in names]
         for task in chosen:
             task.state = "stopped"
-            if task.runner is not None:
-                task.runner.cancel()
-        for task in chosen:
-            if task.runner is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task.runner
+        await cancel_and_wait([t.runner for t in chosen if t.runner is not None])
 
     def healthy(self) -> bool:
         """False while any task is dead (then the systemd watchdog is no longer fed)."""

@@ -157,3 +157,33 @@ def test_a_task_that_stays_dead_stops_the_watchdog(
     after = [m for t, m in received if t > dead_at + 0.1]
     assert len(before) >= 5 and set(before) == {"WATCHDOG=1"}
     assert after == []
+
+
+def test_stop_cancels_again_a_loop_that_swallowed_its_cancellation() -> None:
+    """Python 3.11's asyncio.wait_for can swallow a cancellation that arrives as its
+    awaitable completes; a loop around it then runs on. stop() must cancel it again
+    instead of waiting for ever (the daemon hung after SIGTERM on its dispatch loop)."""
+    swallowed: list[int] = []
+
+    async def loop() -> None:
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if not swallowed:
+                    swallowed.append(1)  # as wait_for does when its future is done
+                    continue
+                raise
+
+    async def scenario() -> float:
+        tasks = TaskSupervisor(backoff_first=0.01)
+        tasks.start("dispatch", loop)
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        async with asyncio.timeout(10):
+            await tasks.stop()
+        return time.monotonic() - t0
+
+    took = asyncio.run(scenario())
+    assert swallowed == [1]
+    assert took < 5, took

@@ -163,3 +163,50 @@ def test_engine_dies_or_hangs_during_shutdown(daemon: Daemon, corpus_dir: Path,
            "the job from the store", lost=len(a.lost), twice=len(a.done_twice),
            serving_s=f"{serving:.1f} (daemon start incl. engine)")
     a.assert_clean()
+
+
+def test_sigterm_with_a_backlog_finishes_in_flight_work_only_and_exits(
+        daemon: Daemon, corpus_dir: Path) -> None:
+    """SIGTERM with 30 files queued: the daemon finishes the jobs already running, starts
+    no new one, and exits 0 promptly; the next start takes the rest, nothing lost or done
+    twice. Before the fix the drain kept dispatching queued jobs until its deadline, and
+    the dispatch loop could swallow its cancellation (Python 3.11's wait_for), so the
+    daemon never exited at all."""
+    d = daemon
+    d.control(mode="serve", delay_s=0.5)
+    old = d.engine_pid()
+    assert d.ctl("engine", "restart").returncode == 0
+    d.wait_for("engine restarted", lambda: d.engine_state() == "ready"
+               and d.engine_pid() != old, 60)
+    names = [f"term-backlog-{i:02d}.png" for i in range(30)]
+    for n in names:
+        drop(corpus_dir / "good" / "image_hi-devanagari.png", d.inbox, n)
+
+    def states() -> dict[str, str]:
+        return {Path(j["path"]).name: str(j["state"]) for j in d.jobs()
+                if Path(j["path"]).name in names}
+
+    d.wait_for("3 of the backlog done", lambda: list(states().values()).count("done") >= 3,
+               120)
+    before = d.done_pages()
+    at_term = states()
+    t0 = time.monotonic()
+    code = d.stop(timeout=90)
+    stop_s = time.monotonic() - t0
+    after = states()
+    started_after = [n for n in names if at_term.get(n, "pending") == "pending"
+                     and after.get(n) not in (None, "pending")]
+    assert code == 0, d.tail()
+    d.control(mode="serve", delay_s=0.05)
+    d.start()
+    d.wait_engine_ready(120)
+    d.wait_all_final(names, 300)
+    a = audit(d, {n: 1 for n in names}, before)
+    running = list(at_term.values()).count("running")
+    record("SIGTERM with a 30-file backlog (pages in flight)",
+           f"daemon exited 0 in {stop_s:.1f} s: finished the {running} running job(s), "
+           f"started {len(started_after)} queued job(s) after SIGTERM; next start did the "
+           "rest", lost=len(a.lost), twice=len(a.done_twice), serving_s="-")
+    a.assert_clean()
+    assert not started_after, f"jobs started after SIGTERM: {started_after}"
+    assert stop_s < 45, f"SIGTERM to exit took {stop_s:.1f} s"
