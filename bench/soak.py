@@ -102,6 +102,9 @@ class Sampler:
     def __init__(self, pid: int, every: float) -> None:
         self.pid, self.every = pid, every
         self.samples: list[dict[str, float]] = []
+        #: Seconds from the start before which samples are warm-up (engine start, first
+        #: pages): left out of the summary.
+        self.warm_after = 60.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._t0 = time.monotonic()
@@ -139,14 +142,15 @@ class Sampler:
             self._stop.wait(self.every)
 
     def summary(self) -> dict[str, Any]:
-        """Per figure: the median of the first and of the last tenth of the run, the
-        minimum and the maximum (the first 60 s, start-up, left out where the run is
-        long enough)."""
-        rows = [r for r in self.samples if r["t"] >= 60] or self.samples
+        """Per figure: the median of the first and of the last tenth of the run after
+        warm-up (``warm_after``), the minimum and the maximum."""
+        rows = [r for r in self.samples if r["t"] >= self.warm_after] or self.samples
         if not rows:
             return {}
         tenth = max(1, len(rows) // 10)
-        out: dict[str, Any] = {"samples": len(self.samples), "every_s": self.every}
+        out: dict[str, Any] = {"samples": len(self.samples), "every_s": self.every,
+                               "warm_after_s": round(self.warm_after, 1),
+                               "summarised": len(rows)}
         for key in ("rss_mib", "fds", "threads", "children", "children_rss_mib"):
             values = [r[key] for r in rows]
             first = statistics.median(values[:tenth])
@@ -199,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         ready_s = d.wait_engine_ready(900) if args.engine != "remote" else 0.0
         print(f"engine ready after {ready_s:.1f}s", flush=True)
+        sampler.warm_after = time.monotonic() - t_start + args.warmup
         for _src, name, _p in items:
             os.replace(staging / name, d.inbox / name)
         names = [name for _s, name, _p in items]
@@ -316,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="")
     p.add_argument("--sample-every", type=float, default=5.0,
                    help="seconds between samples of the daemon's RSS and FDs")
+    p.add_argument("--warmup", type=float, default=120.0,
+                   help="seconds after the engine is first ready that the RSS/FD summary "
+                        "leaves out")
     p.add_argument("--samples-out", default="",
                    help="write every RSS/FD sample here (JSON lines)")
     args = p.parse_args(argv)
