@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     committed: dict[tuple[int, int], float] = {}
     faults: list[dict[str, Any]] = []
+    stopped_early = False
     try:
         ready_s = d.wait_engine_ready(900) if args.engine != "remote" else 0.0
         print(f"engine ready after {ready_s:.1f}s", flush=True)
@@ -216,6 +217,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if all(n in latest and latest[n]["state"] in ("done", "partial", "failed")
                    for n in names):
                 break
+            if args.budget and time.monotonic() - t_start > args.budget:
+                stopped_early = True
+                break  # the queue is left for the next start: audited as queued
             if time.monotonic() - t_start > args.timeout:
                 raise AssertionError(f"soak not finished in {args.timeout}s")
             if time.monotonic() >= next_fault and (args.engine == "remote"
@@ -250,8 +254,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(1.0)
         wall = time.monotonic() - t_start
         sampler.stop()
-        a = audit(d, expected, committed)
-        code = d.stop(120)
+        if stopped_early:
+            # SIGTERM first (in-flight jobs finish, queued ones stay queued), then audit the
+            # store and folders at rest: every file done, or still queued in the inbox.
+            t_stop = time.monotonic()
+            code = d.stop(120)
+            stop_s = time.monotonic() - t_stop
+            a = audit(d, expected, committed, unfinished_ok=True)
+        else:
+            a = audit(d, expected, committed)
+            t_stop = time.monotonic()
+            code = d.stop(120)
+            stop_s = time.monotonic() - t_stop
     finally:
         sampler.stop()
         d.cleanup()
@@ -263,6 +277,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_pixels": args.max_pixels or None, "max_output_tokens": args.max_tokens,
         "backlog_scale": args.backlog_scale,
         "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
+        "finished": not stopped_early, "stop_s": round(stop_s, 1),
+        "files_done": a.states.get("done", 0) + a.states.get("partial", 0),
+        "files_unfinished": sum(n for st, n in a.states.items()
+                                if st in ("pending", "running", "held")),
         "faults": len(faults), "fault": "restart" if args.restart_every else "SIGKILL",
         "interval_s": [lo, hi], "wall_s": round(wall, 1),
         "pages_per_min": round(pages / wall * 60, 1),
@@ -287,7 +305,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flat = (f"; daemon RSS {res['rss_mib']['first_tenth_median']:g} → "
             f"{res['rss_mib']['last_tenth_median']:g} MiB, FDs {res['fds']['first_tenth_median']:g}"
             f" → {res['fds']['last_tenth_median']:g} (first → last tenth)") if res else ""
-    record(what, f"{len(faults)} faults; all {len(items)} files final {a.states} in "
+    done_pages = len(d.done_pages())
+    result["pages_done"] = done_pages
+    result["pages_per_min"] = round(done_pages / wall * 60, 1)
+    if stopped_early:
+        left = result["files_unfinished"]
+        result["projected_drain_s"] = round(left / max(done_pages, 1) * wall, 0)
+        outcome = (f"stopped by SIGTERM after the {args.budget:g} s budget (exit {code} in "
+                   f"{stop_s:.1f} s): {result['files_done']} files done, {left} still queued "
+                   f"in the store and the inbox (at this rate "
+                   f"~{result['projected_drain_s'] / 60:.0f} min more), states {a.states}")
+    else:
+        outcome = f"all {len(items)} files final {a.states}"
+    record(what, f"{len(faults)} faults; {outcome} in "
            f"{wall:.0f} s ({result['pages_per_min']} pages/min); "
            f"{len(a.bad_outputs)} outputs with a page count unlike an undisturbed run{flat}",
            lost=len(a.lost), twice=len(a.done_twice),
@@ -317,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--standin-delay", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=random.randrange(1 << 30))
     p.add_argument("--timeout", type=float, default=6 * 3600)
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="stop after this many seconds even if files are still queued: "
+                        "SIGTERM, then every file must be done or still queued (0: run to "
+                        "the end)")
     p.add_argument("--root", default="")
     p.add_argument("--out", default="")
     p.add_argument("--sample-every", type=float, default=5.0,

@@ -320,13 +320,16 @@ class Audit:
 
 
 def audit(d: Daemon, dropped: Mapping[str, int | None],
-          committed_before: dict[tuple[int, int], float] | None = None) -> Audit:
+          committed_before: dict[tuple[int, int], float] | None = None, *,
+          unfinished_ok: bool = False) -> Audit:
     """Check every dropped input against the store, the folders and its outputs.
 
     ``dropped`` maps input name → expected page count (None: not known / expected to fail).
     A file is *lost* unless it sits in done/ with its outputs or in failed/ with an
-    error.json. A page is *done twice* when it was committed before the fault (in
-    ``committed_before``) and its committed result changed afterwards.
+    error.json — or, with ``unfinished_ok`` (a run stopped before its queue was empty),
+    its job is still pending, running or held and the input is still in the inbox. A page
+    is *done twice* when it was committed before the fault (in ``committed_before``) and
+    its committed result changed afterwards.
     """
     jobs = d.jobs()
     by_name: dict[str, list[dict[str, Any]]] = {}
@@ -346,6 +349,9 @@ def audit(d: Daemon, dropped: Mapping[str, int | None],
         states[state] = states.get(state, 0) + 1
         in_done = (d.done / name).exists()
         in_failed = (d.failed / name).exists() and (d.failed / f"{name}.error.json").exists()
+        if (unfinished_ok and job and job["state"] in ("pending", "running", "held")
+                and (d.inbox / name).exists()):
+            continue  # still queued, input in place: the next start takes it
         if not job or not (in_done or in_failed):
             lost.append(f"{name} (job {state}, done/ {in_done}, failed/ {in_failed})")
             continue
