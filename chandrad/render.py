@@ -31,6 +31,7 @@ import functools
 import math
 import multiprocessing
 import os
+import signal
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -497,6 +498,10 @@ def _in_worker(fn: Any, *args: Any) -> Any:
 
 
 def _worker_init(parent: int) -> None:
+    # Ctrl-C on a terminal reaches the whole foreground process group: the daemon (or a
+    # `chandrad batch`) decides how to stop; a worker killed by it mid-page would be taken
+    # for a crash and fail the page.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     with contextlib.suppress(OSError, AttributeError):
         _libc().mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
