@@ -123,7 +123,13 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     timeout = args.timeout
     if timeout is None:
         timeout = None if cmd_args.get("wait") else 30.0
-    result = call(resolve_socket(args.socket), cmd, cmd_args, timeout=timeout)
+    socket_path = resolve_socket(args.socket)
+    if cmd_args.get("wait") and not args.json:
+        from chandrad.ctl.top import wait_showing_progress
+
+        result = wait_showing_progress(socket_path, cmd, cmd_args, timeout, out)
+    else:
+        result = call(socket_path, cmd, cmd_args, timeout=timeout)
     if cmd == "version":
         result["client"] = __version__
         result["client_protocol"] = PROTOCOL_VERSION

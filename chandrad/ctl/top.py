@@ -5,6 +5,11 @@ running job with pages done/total and ETA, pages/min, recent failures) that exit
 ``q`` or Ctrl-C. Otherwise (a pipe, a log): one plain line per refresh. Each refresh is
 one connection asking ``status`` and ``queue`` (read tier); the view is built from the
 replies only, as :class:`Snapshot`, so both outputs show the same facts.
+
+``drain --wait`` and ``reload --wait`` show the same view while they wait
+(:func:`wait_showing_progress`): live on a terminal (cleared when the reply comes),
+otherwise a plain line on stderr when what it says changes (at least one every
+``WAIT_PLAIN_INTERVAL`` seconds), so that stdout keeps only the reply for scripts.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import select
 import sys
 import termios
+import threading
 import time
 import tty
 from collections.abc import Iterator
@@ -28,6 +34,9 @@ from chandrad.ctl.render import _profile, duration
 RECENT_FAILURES = 5
 #: Running jobs shown (the rest are counted).
 MAX_JOBS = 20
+#: ``drain --wait`` / ``reload --wait``: seconds between refreshes, on a terminal / not.
+WAIT_TTY_INTERVAL = 1.0
+WAIT_PLAIN_INTERVAL = 30.0
 
 
 @dataclass
@@ -121,7 +130,7 @@ def plain_line(s: Snapshot) -> str:
 
 # ------------------------------------------------------------------ full screen
 
-def screen(s: Snapshot) -> Any:
+def screen(s: Snapshot, footer: str = "q or Ctrl-C to quit") -> Any:
     """The rich renderable of one refresh."""
     from rich.console import Group
     from rich.progress_bar import ProgressBar
@@ -170,7 +179,7 @@ def screen(s: Snapshot) -> Any:
     for failure in s.failures:
         fails.add_row(str(failure.get("id")), Path(str(failure.get("path"))).name,
                       str(failure.get("state")), _failure_reason(failure))
-    return Group(head, engines, jobs, fails, Text("q or Ctrl-C to quit", style="dim"))
+    return Group(head, engines, jobs, fails, Text(footer, style="dim"))
 
 
 @contextlib.contextmanager
@@ -231,3 +240,67 @@ def run_top(socket_path: Path, interval: float, iterations: int | None, out: Tex
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def wait_showing_progress(socket_path: Path, command: str, args: dict[str, Any],
+                          timeout: float | None, out: TextIO,
+                          tty_out: bool | None = None) -> dict[str, Any]:
+    """Send a waiting command (``drain``/``reload`` with ``wait``) and show the top view
+    until its reply comes; returns the reply (errors propagate, as from ``call``).
+
+    The command waits in a thread on its own connection; each refresh is a new read-tier
+    connection, so the view never delays the reply. A refresh that fails (the daemon is
+    busy restarting its engine, say) is skipped.
+    """
+    from chandrad.ctl.client import call
+
+    if tty_out is None:
+        tty_out = out.isatty()
+    box: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            box["result"] = call(socket_path, command, args, timeout=timeout)
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+
+    worker = threading.Thread(target=send, name=f"{command}-wait", daemon=True)
+    worker.start()
+    title = f"chandractl {command} --wait: waiting for the daemon"
+
+    def refresh() -> Snapshot | None:
+        try:
+            return fetch(socket_path)
+        except Exception:
+            return None
+
+    if tty_out:
+        from rich.console import Console, Group
+        from rich.live import Live
+        from rich.text import Text
+
+        with Live(Text(title), console=Console(file=out), auto_refresh=False,
+                  transient=True) as live:
+            while worker.is_alive():
+                snap = refresh()
+                if snap is not None:
+                    live.update(Group(Text(title, style="bold"), screen(
+                        snap, "Ctrl-C stops waiting (the daemon carries on)")), refresh=True)
+                worker.join(WAIT_TTY_INTERVAL)
+    else:
+        err = sys.stderr
+        last, last_at = "", 0.0
+        while worker.is_alive():
+            worker.join(WAIT_TTY_INTERVAL)
+            if not worker.is_alive() or (snap := refresh()) is None:
+                continue
+            line = plain_line(snap)
+            facts = line.split("  ", 1)[-1]  # without the time of day
+            if facts != last or time.monotonic() - last_at >= WAIT_PLAIN_INTERVAL:
+                err.write(f"{command}: waiting  {line}\n")
+                err.flush()
+                last, last_at = facts, time.monotonic()
+    if "error" in box:
+        raise box["error"]
+    result: dict[str, Any] = box["result"]
+    return result
