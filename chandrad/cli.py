@@ -33,7 +33,7 @@ from chandrad.engine.profile import MemoryProfile, initial_profile
 
 _log = logging.getLogger("chandrad")
 
-PUBLIC_COMMANDS = "{run,check-config,fetch-model}"
+PUBLIC_COMMANDS = "{run,batch,check-config,fetch-model}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +59,18 @@ def _parser() -> argparse.ArgumentParser:
                              help="with --gpu-memory: how many such GPUs the host has")
             one.add_argument("--json", action="store_true",
                              help="print {engine: {argv, env}, profile, problems} as JSON")
+    text = ("run the daemon's pipeline and supervised engine once over files and folders, "
+            "with a progress bar; exit 0 when every file is done, 1 when some failed, "
+            "130 when interrupted (run it again to resume)")
+    batch = sub.add_parser("batch", help=text, description=text)
+    batch.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
+                       help="a file, or a folder (its files, recursively)")
+    batch.add_argument("--output", "-o", type=Path, required=True, metavar="DIR",
+                       help="where the outputs go; its .chandrad/ keeps the state for a resume")
+    batch.add_argument("--config", type=Path, default=None, metavar="PATH",
+                       help="config file for [engine] and [ocr] (default: $CHANDRAD_CONFIG, "
+                       f"else {config.DEFAULT_CONFIG_PATH} if it exists, else the defaults); "
+                       "its [[watch]] tables are not used")
     # Hidden: the daemon runs it in the engine's interpreter (engine/command.py).
     sub.add_parser("check-flags")
     return parser
@@ -89,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else errors.ExitCode.USAGE
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "run": _run,
+        "batch": _batch,
         "check-config": _check_config,
         "check-flags": _check_flags,
         "fetch-model": _fetch_model,
@@ -169,6 +182,27 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return errors.ExitCode.SOFTWARE
     return int(daemon.run(cfg))
+
+
+def _batch(args: argparse.Namespace) -> int:
+    """``chandrad batch``; the outcome → exit status mapping lives here."""
+    path: Path | None = args.config
+    if path is None and config.default_config_path().exists():
+        path = config.default_config_path()
+    cfg = (config.load_config(path) if path is not None
+           else config.parse_config("", Path.cwd() / "(defaults)"))
+    batch = importlib.import_module("chandrad.batch")
+    view = importlib.import_module("chandrad.batch_view")
+    try:
+        outcome = view.run_batch(cfg, args.inputs, args.output, sys.stdout)
+    except batch.BatchInputError as exc:
+        print(f"chandrad batch: {exc}", file=sys.stderr)
+        return errors.ExitCode.USAGE
+    if outcome.daemon_exit != errors.ExitCode.OK:
+        return int(outcome.daemon_exit)  # 69: the engine gave up
+    if not outcome.finished:
+        return errors.ExitCode.INTERRUPTED
+    return errors.ExitCode.BATCH_FAILED if outcome.failed else errors.ExitCode.OK
 
 
 def _gpus_here() -> list[Any]:

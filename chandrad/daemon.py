@@ -24,6 +24,7 @@ import structlog
 
 from chandrad import PROTOCOL_VERSION, __version__, names
 from chandrad import gpu as nvml
+from chandrad.batch import BatchRun
 from chandrad.config import Config, engine_settings_changed, key_line, load_config
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
@@ -105,8 +106,11 @@ class _Command:
 class Daemon:
     """One running chandrad."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, batch: BatchRun | None = None) -> None:
         self.config = config
+        #: ``chandrad batch``: no control socket, metrics or watcher; the batch feeds the
+        #: pipeline and stops the daemon when its files are finished (``chandrad/batch.py``).
+        self.batch = batch
         self.state = DaemonState.STARTING
         self.started = time.monotonic()
         self.notifier = Notifier.from_env()
@@ -217,9 +221,12 @@ class Daemon:
     async def _startup(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        for sig, name in ((signal.SIGTERM, DaemonCommand.SHUTDOWN),
-                          (signal.SIGINT, DaemonCommand.SHUTDOWN),
-                          (signal.SIGHUP, DaemonCommand.RELOAD)):
+        signals: tuple[tuple[signal.Signals, DaemonCommand], ...] = (
+            (signal.SIGTERM, DaemonCommand.SHUTDOWN), (signal.SIGINT, DaemonCommand.SHUTDOWN),
+            (signal.SIGHUP, DaemonCommand.RELOAD))
+        if self.batch is not None:  # Ctrl-C stops a batch at once; a rerun resumes it
+            signals = tuple((sig, DaemonCommand.SHUTDOWN_NOW) for sig, _ in signals)
+        for sig, name in signals:
             loop.add_signal_handler(sig, self._commands.put_nowait, _Command(name))
         self.store = self._open_store(cfg)
         self._make_watch_folders(cfg)
@@ -230,12 +237,13 @@ class Daemon:
         self.pipeline.observer = self.metrics
         for engine in self.engines:
             engine.observer = self.metrics
-        await self._start_metrics(cfg)
-        self.control = ControlServer(cfg.control_socket(), Handlers(self), mode=cfg.control.mode,
-                                     group=cfg.control.group)
-        await self.control.start()
-        self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
-        await self.watcher.start()
+        if self.batch is None:
+            await self._start_metrics(cfg)
+            self.control = ControlServer(cfg.control_socket(), Handlers(self),
+                                         mode=cfg.control.mode, group=cfg.control.group)
+            await self.control.start()
+            self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
+            await self.watcher.start()
         pipeline = self.pipeline
         # A flag verdict (a config error) from an engine task ends the daemon (exit 78).
         for engine in self.engines:
@@ -244,7 +252,10 @@ class Daemon:
                          describe=_describe_item)
         self.tasks.start("dispatch", pipeline.dispatch_loop, quarantine=pipeline.quarantine,
                          describe=_describe_item)
-        self._start_watcher_task()
+        if self.batch is not None:
+            self.tasks.start("batch", self._run_batch)
+        else:
+            self._start_watcher_task()
         if self.pinger.interval is not None:
             self.tasks.start("watchdog", self.pinger.run)
         self._set_state(DaemonState.RUNNING, "started")
@@ -261,6 +272,15 @@ class Daemon:
             on_change=lambda new, reason: self._on_engine_change(spec.id, new, reason),
             session_file=cfg.daemon.state_dir / session, backlog=self._has_backlog,
             engine_id=spec.id, cpus=spec.cpus, flag_checks=self.flag_checks)
+
+    async def _run_batch(self) -> None:
+        """The batch's task: feed the pipeline, then stop the daemon once all is finished."""
+        assert self.batch is not None and self.pipeline is not None and self.store is not None
+        assert self.engine is not None
+        stop = _Command(DaemonCommand.SHUTDOWN_NOW)
+        await self.batch.run(self.pipeline, self.store, self.engine.snapshot,
+                             lambda: self._commands.put_nowait(stop))
+        self.tasks.let_finish("batch")
 
     def _metrics_info(self) -> dict[str, str]:
         vllm = (self.engine.vllm_version if self.engine and self.engine.vllm_version
@@ -506,7 +526,7 @@ class Daemon:
             await self.control.close()
         if self.metrics_server is not None:
             await self.metrics_server.close()
-        await self.tasks.stop("intake", "dispatch", "watcher", "watchdog")
+        await self.tasks.stop("batch", "intake", "dispatch", "watcher", "watchdog")
         if self.pipeline is not None:
             # Before the store closes: a job cancelled later would find it closed.
             await self.pipeline.stop_jobs()

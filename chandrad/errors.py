@@ -18,10 +18,12 @@ class ExitCode(IntEnum):
     """Exit statuses of ``chandrad`` (SPEC §2)."""
 
     OK = 0
+    BATCH_FAILED = 1  # ``chandrad batch``: some file failed (the summary says which and why)
     USAGE = 2
     UNAVAILABLE = 69  # engine gave up, only with engine.exit_on_fatal = true
     SOFTWARE = 70  # internal error
     CONFIG = 78  # EX_CONFIG; the unit sets RestartPreventExitStatus=78
+    INTERRUPTED = 130  # ``chandrad batch`` stopped by Ctrl-C (128 + SIGINT); a rerun resumes
 
 
 class CtlExit(IntEnum):

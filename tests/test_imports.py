@@ -45,9 +45,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.metrics"),
     "service": ("chandrad.engine.supervisor", "chandrad.engine.fetching",
                 "chandrad.engine.generation", "chandrad.engine.dispatch", "chandrad.pipeline",
+                "chandrad.batch",
                 "chandrad.control.server", "chandrad.control.handlers"),
     "daemon": ("chandrad.daemon",),
-    "entry": ("chandrad.cli", "chandrad.__main__", "chandrad.ctl.main", "chandrad.ctl.client",
+    "entry": ("chandrad.cli", "chandrad.batch_view", "chandrad.__main__", "chandrad.ctl.main",
+              "chandrad.ctl.client",
               "chandrad.ctl.diagnose", "chandrad.ctl.journal", "chandrad.ctl.render",
               "chandrad.ctl.top"),
 }
