@@ -362,6 +362,7 @@ def summarize(store: Store, entries: list[Entry]) -> list[FileResult]:
         elif job.state in (JobState.FAILED, JobState.HELD, JobState.CANCELLED):
             reason = f"{job.error_code or job.state.value}: {job.error_message or ''}".strip()
         results.append(FileResult(
-            file, state, job.pages_done, job.pages_failed, job.pages_total,
+            file, state, job.pages_done, job.pages_failed,
+            job.pages_total if job.pages_total is not None else entry.pages,
             names.display(job.output_dir) if job.output_dir else None, names.text(reason)))
     return results
