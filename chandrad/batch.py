@@ -28,13 +28,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 
 from chandrad import names, outputs
 from chandrad.config import Config, MetricsConfig, WatchConfig
 from chandrad.errors import InputError
+from chandrad.protocol import EngineStatus
 from chandrad.render import RenderPool
 from chandrad.states import JOB_FINISHED, JobState
 from chandrad.store import Job, Store
@@ -230,7 +231,7 @@ class BatchRun:
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
     _phase: str = "staging"
 
-    async def run(self, pipeline: Feed, store: Store, engine: Callable[[], dict[str, Any]],
+    async def run(self, pipeline: Feed, store: Store, engine: Callable[[], EngineStatus],
                   stop: Callable[[], None]) -> None:
         """Supervised like the daemon's other tasks; ``stop`` ends the daemon's run."""
         watch = pipeline.config.watch[0]
@@ -263,10 +264,10 @@ class BatchRun:
         log.info("batch_finished", files=len(self.entries))
         stop()
 
-    def _progress(self, store: Store, engine: Callable[[], dict[str, Any]]) -> None:
+    def _progress(self, store: Store, engine: Callable[[], EngineStatus]) -> None:
         self.on_progress(self.snapshot(store, engine()))
 
-    def snapshot(self, store: Store, engine: dict[str, Any]) -> Progress:
+    def snapshot(self, store: Store, engine: EngineStatus) -> Progress:
         jobs = latest_jobs(store)
         total = done = failed = finished = files_failed = 0
         for entry in self.entries:
@@ -297,14 +298,14 @@ class BatchRun:
         if rate is not None and rate <= 0:
             rate = None
         left = max(0, total - done - failed)
-        state = str(engine.get("state", "?"))
+        state = engine["state"]
         detail = ""
-        if engine.get("fatal_reason"):
-            detail = str(engine["fatal_reason"])
-        elif engine.get("fetch"):
-            got = engine["fetch"]
-            detail = f"fetching {got.get('done', 0) / 1e6:.0f}/{got.get('total', 0) / 1e6:.0f} MB"
-        elif engine.get("restarts"):
+        fetch = engine["fetch"]
+        if engine["fatal_reason"]:
+            detail = engine["fatal_reason"]
+        elif fetch is not None:
+            detail = f"fetching {fetch['done'] / 1e6:.0f}/{fetch['total'] / 1e6:.0f} MB"
+        elif engine["restarts"]:
             detail = f"{engine['restarts']} restart(s)"
         return Progress(
             files=len(self.entries), files_finished=finished, files_failed=files_failed,
