@@ -161,6 +161,9 @@ class EngineConfig:
     #: ``--data-parallel-size N`` over all of them.
     layout: str = "replicas"
     api_key: str = ""
+    #: The path whose 200 means "can serve": ``/readiness`` for a vllm-router, whose
+    #: ``/health`` is 503 while any one of its engines is down.
+    health_path: str = "/health"
     exit_on_fatal: bool = False
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     downshift: DownshiftConfig = field(default_factory=DownshiftConfig)
@@ -594,12 +597,15 @@ def _engine(r: _Reader, reader: Any, raw: dict[str, Any]) -> EngineConfig:
                                       True),
         layout=r.choice("layout", d.layout, ENGINE_LAYOUTS),
         api_key=r.get("api_key", (str,), d.api_key),
+        health_path=r.get("health_path", (str,), d.health_path),
         exit_on_fatal=r.get("exit_on_fatal", (bool,), d.exit_on_fatal),
         memory=_memory(reader(raw.get("memory", {}), "engine.memory")),
         downshift=_downshift(reader(raw.get("downshift", {}), "engine.downshift")),
     )
     r.finish(OBSOLETE_ENGINE_KNOBS)
     _engine_layout_checks(r, cfg)
+    if not re.match(r"^/[^?#\s]*$", cfg.health_path):
+        r.problem("health_path", f"{cfg.health_path!r} is not a URL path (it starts with /)")
     return cfg
 
 

@@ -403,6 +403,17 @@ def test_engine_url_must_be_http(tmp_path: Path) -> None:
     assert (problem.key, problem.line) == ("engine.url", 4)
 
 
+def test_engine_health_path_is_a_path(tmp_path: Path) -> None:
+    """health_path defaults to vLLM's /health; "/readiness" (a router) is taken; a value
+    that is not a path is refused naming engine.health_path."""
+    assert config.load_config(_write(tmp_path, WATCH)).engine.health_path == "/health"
+    cfg = config.load_config(_write(tmp_path, WATCH + '[engine]\nurl = "http://r:30000"\n'
+                                    'health_path = "/readiness"\n'))
+    assert cfg.engine.health_path == "/readiness"
+    problem = _one(tmp_path, WATCH + '[engine]\nhealth_path = "readiness"\n')
+    assert (problem.key, problem.line) == ("engine.health_path", 4)
+
+
 # ----------------------------------------------------------------------------- helpers
 
 

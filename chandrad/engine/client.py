@@ -30,9 +30,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 class EngineClient:
     """Async client for one engine base URL (``http://host:port``, no ``/v1``)."""
 
-    def __init__(self, base_url: str, *, api_key: str = "", timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, *, api_key: str = "", timeout: float = 600.0,
+                 health_path: str = "/health") -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
+        self.health_path = health_path
         #: ``max_model_len`` of each served model, as the last ``/v1/models`` listed it.
         self.max_model_len: dict[str, int] = {}
         self._http = httpx.AsyncClient(
@@ -46,9 +48,9 @@ class EngineClient:
         await self._http.aclose()
 
     async def health(self, timeout: float = 5.0) -> bool:
-        """``GET /health`` answered 200."""
+        """``GET /health`` (or the configured ``health_path``) answered 200."""
         try:
-            response = await self._http.get("/health", timeout=timeout)
+            response = await self._http.get(self.health_path, timeout=timeout)
         except httpx.HTTPError:
             return False
         return response.status_code == 200

@@ -158,7 +158,8 @@ class EngineSupervisor:
         self._gen: Generation | None = None
         self.fetch_child: FetchChild | None = None  # while FETCHING
         self._client = EngineClient(engine.base_url, api_key=engine.api_key,
-                                    timeout=ocr.request_timeout)
+                                    timeout=ocr.request_timeout,
+                                    health_path=engine.health_path)
         self._commands: asyncio.Queue[EngineCommand] = asyncio.Queue()
         self._ready_event = asyncio.Event()
         self._probe_now = asyncio.Event()
@@ -308,17 +309,18 @@ class EngineSupervisor:
         self.ocr = ocr
         if engine == self.engine:
             return False
-        old_url = self.engine.base_url
+        old_url = (self.engine.base_url, self.engine.health_path)
         self.engine = engine
         self.policy.reset(initial_profile(engine.memory, self._gpu_total()), engine.downshift)
         self.budget.downshift = engine.downshift
         if engine.supervised:
             self.vllm_version = await asyncio.to_thread(vllm_version_of, engine.python or None)
         self._load_learned()
-        if engine.base_url != old_url:
+        if (engine.base_url, engine.health_path) != old_url:
             await self._client.close()
             self._client = EngineClient(engine.base_url, api_key=engine.api_key,
-                                        timeout=ocr.request_timeout)
+                                        timeout=ocr.request_timeout,
+                                        health_path=engine.health_path)
         self.request(EngineCommand.RESTART)
         return True
 
