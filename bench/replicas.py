@@ -19,7 +19,7 @@ test model (``tests/tiny_model.py``) and the documents of ``tests/corpus/good/``
    are stopped).
 
 Balance: requests each engine answered in a phase, from its own ``/metrics``
-(``vllm:request_success_total``). The JSON goes to ``bench/results/replicas-DATE.json``
+(``vllm:request_success_total``). The JSON goes to ``bench/results/DATE-replicas.json``
 and is printed with a table. On a box whose cores the engines share with rendering and
 with other work, only the ratios within one run mean anything.
 
@@ -303,7 +303,7 @@ def main() -> int:
     res["total_s"] = round(time.monotonic() - t_start, 1)
     shutil.rmtree(root, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"replicas-{when:%Y-%m-%d}.json"
+    out = RESULTS / f"{when:%Y-%m-%d}-replicas.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
     print(json.dumps(res, indent=2))
