@@ -152,14 +152,27 @@ def _claims_same_source(claim: dict[str, Any], metadata: dict[str, Any]) -> bool
     return bool(claim.get("source") == source)
 
 
+def _only_dead_attempt(directory: Path) -> bool:
+    """Empty but for the claim's temp files: a write killed before its claim landed
+    (the temp files are removed here; nothing else is there to keep)."""
+    entries = list(directory.iterdir())
+    if any(not (e.name.startswith(f".{CLAIM_FILE}.") and e.name.endswith(".tmp")
+                and e.is_file()) for e in entries):
+        return False
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+    return True
+
+
 def _choose_dir(out_dir: Path, metadata: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
     """The directory this document owns (or may take), and its previous claim if any."""
     for n in range(_MAX_SUFFIX):
         candidate = out_dir if n == 0 else out_dir.with_name(f"{out_dir.name} ({n})")
         if not candidate.exists():
             return candidate, None
-        if candidate.is_dir() and not any(candidate.iterdir()):
-            return candidate, None  # created by an earlier attempt that died at once
+        if candidate.is_dir() and _only_dead_attempt(candidate):
+            return candidate, None  # an earlier attempt died before its claim was in place
         claim = _read_claim(candidate)
         if claim is not None and _claims_same_source(claim, metadata):
             return candidate, claim

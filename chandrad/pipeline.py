@@ -754,8 +754,9 @@ class Pipeline:
             "accepted_at": job.created_at,
             "finished_at": time.time(),
         }
-        await asyncio.to_thread(outputs.write_document, out_dir, stem, page_outputs, metadata,
-                                self.config.ocr.formats)
+        written = await asyncio.to_thread(outputs.write_document, out_dir, stem, page_outputs,
+                                          metadata, self.config.ocr.formats)
+        out_dir = written[-1].parent  # ``<stem> (n)`` when another source owns ``<stem>``
         final = moved or self._move_input(job, watch.done)
         state = JobState.PARTIAL if failed else JobState.DONE
         self.store.set_job_state(job.id, state, output_dir=out_dir, final_path=final)

@@ -166,6 +166,21 @@ def test_different_source_gets_suffixed_dir(tmp_path: Path, fax_pages: list[Page
     assert {p.parent for p in again} == {tmp_path / "doc (1)"}
 
 
+def test_dir_left_by_a_write_killed_before_its_claim_is_taken_back(
+        tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """A kill -9 inside the claim's atomic write leaves the directory holding only the
+    claim's temp file: that is chandrad's own dead attempt, so the next write takes the
+    directory (and drops the temp file) instead of moving on to ``<stem> (1)``."""
+    (tmp_path / "fax").mkdir()
+    leftover = tmp_path / "fax" / f".{CLAIM_FILE}.0a1b2c3d.tmp"
+    leftover.write_bytes(b'{"source": ')  # cut short by the kill
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
+    written = write_document(tmp_path / "fax", "fax", fax_pages, _metadata(source), FORMATS)
+    assert {p.parent for p in written} == {tmp_path / "fax"}
+    assert not (tmp_path / "fax (1)").exists()
+    assert not leftover.exists()
+
+
 def test_foreign_dir_is_not_touched(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
     """A non-empty directory chandrad did not create is left alone; outputs go beside it."""
     (tmp_path / "fax").mkdir()

@@ -528,6 +528,28 @@ def test_file_replaced_while_running_is_not_moved_with_old_results(
     run_async(body)
 
 
+def test_store_names_the_output_dir_the_document_was_written_to(
+        tmp_path: Path, standin: StandinEngine) -> None:
+    """A second doc.png with other content lands in ``doc (1)/`` (the first one owns
+    ``doc/``): the job's ``output_dir`` in the store, which status, queue and batch
+    summaries show, must name ``doc (1)``, not the directory it was kept out of."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+
+    async def body() -> None:
+        async with running(config) as run:
+            first = accept(run.store, w, make_image(w.input / "doc.png", text="version one"))
+            assert (await run.wait_finished(first.id)).output_dir == w.output / "doc"
+            second_doc = make_image(w.input / "doc.png", text="version two, other bytes")
+            second = accept(run.store, w, second_doc)
+            done = await run.wait_finished(second.id)
+            assert done.state is JobState.DONE, (done.error_code, done.error_message)
+            assert done.output_dir == w.output / "doc (1)"
+            assert _metadata(w.output / "doc (1)")["source_sha256"] == second.sha256
+
+    run_async(body)
+
+
 # ----------------------------------------------------------------- issue 15 #9
 
 
