@@ -8,7 +8,7 @@ import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -430,3 +430,101 @@ def test_upshift_back_to_an_unset_knob_is_valid_advice(
     buf = io.StringIO()
     assert run_logs(since=None, unit="chandrad", file=journal, as_json=False, out=buf) == 0
     assert "None" not in buf.getvalue() and "max_model_len 20000 → unset" in buf.getvalue()
+
+
+# ------------------------------------------------ several engines (CHANDRA_ENGINE)
+
+
+def _two_engine_journal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A real journal file of two replicas' supervisors, each logging with its engine bound.
+
+    Engine 0 downshifts once on the KV cache and restarts; engine 1 is OOM-killed twice and
+    restarts twice; the daemon's own events carry no engine.
+    """
+    sock_path = tmp_path / "journal.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    monkeypatch.setenv("CHANDRAD_JOURNAL_SOCKET", str(sock_path))
+    configure_logging("journal", "info", stream=io.StringIO())
+    base = get_logger("chandrad.engine")
+    e0, e1 = base.bind(engine="0"), base.bind(engine="1")
+    entries: list[tuple[bytes, datetime]] = []
+    steps: list[tuple[int, Callable[[], object]]] = [
+        (0, lambda: base.info("daemon_state", old="starting", new="running",
+                              reason="started")),
+        (60, lambda: e0.error("engine_failure", evidence="ValueError: KV cache is short",
+                              **{"class": "kv_cache_insufficient"})),
+        (61, lambda: e0.warning("profile_change", old={"max_model_len": 32768},
+                                new={"max_model_len": 24000}, reason="vLLM estimated 24000",
+                                **{"class": "kv_cache_insufficient"})),
+        (62, lambda: e0.info("engine_restart", restarts=1)),
+        (300, lambda: e1.error("engine_failure", evidence="Killed process 4242 (python3)",
+                               **{"class": "host_oom"})),
+        (301, lambda: e1.info("engine_restart", restarts=1)),
+        (900, lambda: e1.error("engine_failure", evidence="Killed process 4343 (python3)",
+                               **{"class": "host_oom"})),
+        (901, lambda: e1.info("engine_restart", restarts=2)),
+        (960, lambda: e0.info("engine_ready", seconds=40.0)),
+    ]
+    try:
+        for seconds, emit in steps:
+            emit()
+            entries.append((sock.recv(1 << 20), BASE + timedelta(seconds=seconds)))
+    finally:
+        configure_logging("json", "info", stream=io.StringIO())
+        sock.close()
+    return _write_journal(tmp_path, entries)
+
+
+def test_failures_are_grouped_by_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two replicas in one journal: failures, restarts and the last failure per engine."""
+    journal = _two_engine_journal(monkeypatch, tmp_path)
+    report = _report(journal)
+    assert report["failures"] == {"host_oom": 2, "kv_cache_insufficient": 1}
+    assert report["restarts"] == 3
+    assert report["engines"] == {
+        "0": {
+            "failures": {"kv_cache_insufficient": 1},
+            "restarts": 1,
+            "profile_changes": 1,
+            "last_failure": {"time": "2026-01-05T10:01:00Z", "class": "kv_cache_insufficient",
+                             "evidence": "ValueError: KV cache is short"},
+        },
+        "1": {
+            "failures": {"host_oom": 2},
+            "restarts": 2,
+            "profile_changes": 0,
+            "last_failure": {"time": "2026-01-05T10:15:00Z", "class": "host_oom",
+                             "evidence": "Killed process 4343 (python3)"},
+        },
+    }
+    assert report["profile_changes"][0]["engine"] == "0"
+    recs = report["recommendations"]
+    assert recs[0] == (
+        "engine 0: 1 kv_cache_insufficient at max_model_len 32768 → settled on 24000; "
+        "set [engine.memory] max_model_len = 24000 in the config to skip the downshift at boot"
+    )
+    assert recs[1].startswith("2 host_oom (engine 1): the kernel OOM killer")
+    buf = io.StringIO()
+    assert run_logs(since=None, unit="chandrad", file=journal, as_json=False, out=buf) == 0
+    text = buf.getvalue()
+    assert (
+        "Engine failures by engine\n"
+        "  engine 0: kv_cache_insufficient 1; restarts 1, profile changes 1; last failure "
+        "2026-01-05T10:01:00Z kv_cache_insufficient: ValueError: KV cache is short\n"
+        "  engine 1: host_oom 2; restarts 2, profile changes 0; last failure "
+        "2026-01-05T10:15:00Z host_oom: Killed process 4343 (python3)\n"
+    ) in text
+    assert "2026-01-05T10:01:01Z  engine 0 kv_cache_insufficient: max_model_len 32768" in text
+
+
+def test_one_engine_keeps_the_single_engine_report(journal_file: Path) -> None:
+    """Entries without CHANDRA_ENGINE are engine "0"; one engine prints no per-engine section."""
+    report = _report(journal_file)
+    assert list(report["engines"]) == ["0"]
+    assert report["engines"]["0"]["failures"] == report["failures"]
+    assert report["engines"]["0"]["restarts"] == 4
+    assert report["engines"]["0"]["last_failure"]["class"] == "other_fatal"
+    buf = io.StringIO()
+    assert run_logs(since=None, unit="chandrad", file=journal_file, as_json=False, out=buf) == 0
+    assert "by engine" not in buf.getvalue() and "  engine 0" not in buf.getvalue()

@@ -5,7 +5,11 @@ it runs the real ``journalctl -o json`` (``-u UNIT`` or ``--file F``), keeps the
 with ``SYSLOG_IDENTIFIER=chandrad`` plus systemd's own messages about the unit, and
 reports engine failures by class over time, profile changes with their reasons,
 restarts, failed files, pages per hour and recommendations — as text or as the
-versioned JSON object ``{"v": 1, ...}``.
+versioned JSON object ``{"v": 1, ...}``. Engine events carry ``CHANDRA_ENGINE`` (the
+replica id, engine/replicas.py); one without it (a single-engine daemon from before
+replicas) counts as engine ``"0"``. ``"engines"`` sums failures, restarts and the last
+failure per engine; the text report prints that summary only when the journal holds
+more than one engine, so a single-engine report reads as it always did.
 
 chandrad writes the same events in three shapes, all read here: native journal fields
 (``log_format = "journal"``); JSON lines on stderr that journald stores as ``MESSAGE``
@@ -40,6 +44,14 @@ JOURNAL_MAGIC = b"LPKSHHRH"
 
 #: Where a learned knob goes in the config (everything else: ``[engine.memory]``).
 _KNOB_SECTION = {"max_pixels": "[ocr]", "max_output_tokens": "[ocr]"}
+
+#: Events of an engine's supervisor that the per-engine summary counts; an entry of one
+#: of these without ``CHANDRA_ENGINE`` is engine :data:`DEFAULT_ENGINE`'s.
+_ENGINE_EVENTS = frozenset(
+    {Event.ENGINE_FAILURE, Event.PROFILE_CHANGE, Event.ENGINE_RESTART, Event.ENGINE_READY}
+)
+DEFAULT_ENGINE = "0"
+_EVIDENCE_CHARS = 160
 
 _FILE_ADVICE = {
     "encrypted_pdf": "remove the password and drop the file again",
@@ -207,6 +219,20 @@ def is_journal_file(path: Path) -> bool:
         return f.read(len(JOURNAL_MAGIC)) == JOURNAL_MAGIC
 
 
+def engine_of(entry: Entry) -> str:
+    """The engine an entry is about: its ``CHANDRA_ENGINE``, else engine ``"0"``."""
+    return entry.get("CHANDRA_ENGINE") or DEFAULT_ENGINE
+
+
+def _engine_key(engine_id: str) -> tuple[int, str]:
+    """Engines in numeric order ("2" before "10"), named ones after."""
+    return (int(engine_id), "") if engine_id.isdigit() else (1 << 62, engine_id)
+
+
+def _short(evidence: str) -> str:
+    return " ".join(evidence.split())[:_EVIDENCE_CHARS]
+
+
 def _iso(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -239,26 +265,41 @@ def analyze(entries: list[Entry], unit: str = "chandrad", *, unreadable: int = 0
     pages: dict[str, dict[str, int]] = defaultdict(lambda: {"pages": 0, "files": 0})
     restarts = 0
     ready_seconds: list[float] = []
+    engines: dict[str, dict[str, Any]] = {}
+
+    def engine(e: Entry) -> dict[str, Any]:
+        return engines.setdefault(engine_of(e), {
+            "failures": Counter(), "restarts": 0, "profile_changes": 0, "last_failure": None,
+        })
 
     for e in ours:
         event = e.get("CHANDRA_EVENT")
+        if e.get("CHANDRA_ENGINE") or event in _ENGINE_EVENTS:
+            engine(e)  # an engine with no failure is listed too, with zeros
         if event == Event.ENGINE_FAILURE:
             cls = e.get("CHANDRA_CLASS") or "unknown"
             failures[cls] += 1
             failures_by_hour[_hour(e.time)][cls] += 1
             last_evidence[cls] = e.get("CHANDRA_EVIDENCE")
+            engine(e)["failures"][cls] += 1
+            engine(e)["last_failure"] = {
+                "time": _iso(e.time), "class": cls, "evidence": _short(e.get("CHANDRA_EVIDENCE")),
+            }
         elif event == Event.PROFILE_CHANGE:
             profile_changes.append(
                 {
                     "time": _iso(e.time),
+                    "engine": engine_of(e),
                     "class": e.get("CHANDRA_CLASS"),
                     "reason": e.get("CHANDRA_REASON"),
                     "old": e.value("CHANDRA_OLD"),
                     "new": e.value("CHANDRA_NEW"),
                 }
             )
+            engine(e)["profile_changes"] += 1
         elif event == Event.ENGINE_RESTART:
             restarts += 1
+            engine(e)["restarts"] += 1
         elif event == Event.ENGINE_READY:
             seconds = e.value("CHANDRA_SECONDS")
             if isinstance(seconds, int | float):
@@ -294,6 +335,10 @@ def analyze(entries: list[Entry], unit: str = "chandrad", *, unreadable: int = 0
         "last": _iso(ours[-1].time) if ours else None,
         "failures": dict(failures.most_common()),
         "failures_by_hour": {h: dict(c) for h, c in sorted(failures_by_hour.items())},
+        "engines": {
+            i: {**engines[i], "failures": dict(engines[i]["failures"].most_common())}
+            for i in sorted(engines, key=_engine_key)
+        },
         "profile_changes": profile_changes,
         "restarts": restarts,
         "daemon_restarts": daemon_restarts,
@@ -320,6 +365,37 @@ def _settled(changes: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
     return {k: (first.get(k), v) for k, v in last.items() if first.get(k) != v}
 
 
+def _profile_rec(changes: list[dict[str, Any]], failures: dict[str, int]) -> str | None:
+    """The config lines that skip one engine's downshift at boot, or None if nothing moved."""
+    settled = _settled(changes)
+    if not settled:
+        return None
+    classes = Counter(c.get("class") or "unknown" for c in changes)
+    cls = classes.most_common(1)[0][0]
+    count = failures.get(cls, classes[cls])
+    moves = "; ".join(
+        f"{k} {_toml(o)} → settled on {_toml(n)}" for k, (o, n) in settled.items()
+    )
+    memory = [(k, n) for k, (_, n) in settled.items() if k != "expandable_segments"]
+    sets: list[str] = []
+    unset: list[str] = []
+    for knob, new in memory:
+        key = f"{_KNOB_SECTION.get(knob, '[engine.memory]')} {knob}"
+        if new is None:
+            unset.append(key)
+        else:
+            sets.append(f"{key} = {_toml(new)}")
+    if settled.get("expandable_segments", (None, None))[1] is True:
+        sets.append('[engine.env] PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"')
+    todo = []
+    if sets:
+        todo.append(f"set {', '.join(sets)}")
+    if unset:
+        todo.append(f"leave {', '.join(unset)} unset (remove the line)")
+    return (f"{count} {cls} at {moves}; {' and '.join(todo)} in the config "
+            "to skip the downshift at boot")
+
+
 def _recommend(report: dict[str, Any], last_evidence: dict[str, str]) -> list[str]:
     recs: list[str] = []
     failures: dict[str, int] = report["failures"]
@@ -330,45 +406,33 @@ def _recommend(report: dict[str, Any], last_evidence: dict[str, str]) -> list[st
             "persistent (/var/log/journal exists) and that you may read it (group "
             "systemd-journal or adm)"
         ]
-    settled = _settled(changes)
-    if settled:
-        classes = Counter(c.get("class") or "unknown" for c in changes)
-        cls = classes.most_common(1)[0][0]
-        count = failures.get(cls, classes[cls])
-        moves = "; ".join(
-            f"{k} {_toml(o)} → settled on {_toml(n)}" for k, (o, n) in settled.items()
-        )
-        memory = [(k, n) for k, (_, n) in settled.items() if k != "expandable_segments"]
-        sets: list[str] = []
-        unset: list[str] = []
-        for knob, new in memory:
-            key = f"{_KNOB_SECTION.get(knob, '[engine.memory]')} {knob}"
-            if new is None:
-                unset.append(key)
-            else:
-                sets.append(f"{key} = {_toml(new)}")
-        if settled.get("expandable_segments", (None, None))[1] is True:
-            sets.append('[engine.env] PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"')
-        todo = []
-        if sets:
-            todo.append(f"set {', '.join(sets)}")
-        if unset:
-            todo.append(f"leave {', '.join(unset)} unset (remove the line)")
-        recs.append(
-            f"{count} {cls} at {moves}; {' and '.join(todo)} in the config "
-            "to skip the downshift at boot"
-        )
+    engines: dict[str, dict[str, Any]] = report["engines"]
+    by_engine: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for change in changes:
+        by_engine[change.get("engine") or DEFAULT_ENGINE].append(change)
+    for engine_id in sorted(by_engine, key=_engine_key):
+        rec = _profile_rec(by_engine[engine_id], engines.get(engine_id, {}).get("failures", {}))
+        if rec:
+            recs.append(f"engine {engine_id}: {rec}" if len(engines) > 1 else rec)
+
+    def where(cls: str) -> str:
+        """`` (engine 1)`` after a failure class when the journal holds several engines."""
+        if len(engines) < 2:
+            return ""
+        ids = [i for i, e in engines.items() if e["failures"].get(cls)]
+        return f" ({'engine' if len(ids) == 1 else 'engines'} {', '.join(ids)})"
+
     if failures.get("host_oom"):
         recs.append(
-            f"{failures['host_oom']} host_oom: the kernel OOM killer stopped the engine (host "
-            "RAM, not GPU); lower [engine.memory] mm_processor_cache_gb or [ocr] render_workers, "
-            "or add RAM"
+            f"{failures['host_oom']} host_oom{where('host_oom')}: the kernel OOM killer "
+            "stopped the engine (host RAM, not GPU); lower [engine.memory] "
+            "mm_processor_cache_gb or [ocr] render_workers, or add RAM"
         )
     if failures.get("other_fatal"):
         evidence = " ".join(last_evidence.get("other_fatal", "").split())[:160]
         recs.append(
-            f"{failures['other_fatal']} other_fatal: not a memory problem, lowering memory will "
-            f"not help; last evidence: {evidence!r}"
+            f"{failures['other_fatal']} other_fatal{where('other_fatal')}: not a memory "
+            f"problem, lowering memory will not help; last evidence: {evidence!r}"
         )
     if report["restarts"] and not failures and not changes:
         recs.append(
@@ -420,6 +484,18 @@ def render_text(report: dict[str, Any], out: TextIO) -> None:
         w("\n")
     else:
         w("  none\n")
+    engines: dict[str, dict[str, Any]] = report["engines"]
+    several = len(engines) > 1
+    if several:
+        w("\nEngine failures by engine\n")
+        for engine_id, summary in engines.items():
+            counts = ", ".join(f"{c} {n}" for c, n in summary["failures"].items()) or "none"
+            w(f"  engine {engine_id}: {counts}; restarts {summary['restarts']}, "
+              f"profile changes {summary['profile_changes']}")
+            last = summary["last_failure"]
+            if last:
+                w(f"; last failure {last['time']} {last['class']}: {last['evidence']}")
+            w("\n")
     w("\nProfile changes\n")
     for change in report["profile_changes"] or []:
         old, new = change["old"], change["new"]
@@ -427,7 +503,8 @@ def render_text(report: dict[str, Any], out: TextIO) -> None:
             moved = ", ".join(f"{k} {_toml(old.get(k))} → {_toml(v)}" for k, v in new.items())
         else:
             moved = f"{old} → {new}"
-        w(f"  {change['time']}  {change['class'] or '-'}: {moved}  ({change['reason']})\n")
+        who = f"engine {change['engine']} " if several else ""
+        w(f"  {change['time']}  {who}{change['class'] or '-'}: {moved}  ({change['reason']})\n")
     if not report["profile_changes"]:
         w("  none\n")
     w(
