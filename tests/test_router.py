@@ -132,6 +132,17 @@ def start_router(workers: list[str], port: int, metrics_port: int, log: Path,
     return Router(proc, f"http://127.0.0.1:{port}", metrics_port, log)
 
 
+def stop_daemon(daemon: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, as systemd stops it; SIGKILL only if it is still there after 60 s."""
+    if daemon is not None and daemon.poll() is None:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+
+
 def stop_quietly(*procs: subprocess.Popen[bytes] | None) -> None:
     for proc in procs:
         if proc is not None and proc.poll() is None:
@@ -181,13 +192,7 @@ def test_one_engine_down_behind_the_router_keeps_chandrad_ready(
             assert time.monotonic() < deadline, "no engine left, yet chandrad says ready"
             time.sleep(1)
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_daemon(daemon)
         router.stop()
         stop_quietly(*workers)
 
@@ -235,13 +240,7 @@ def test_router_that_cannot_reach_an_engine_charges_no_page(
         tries = log.read_text().count('"engine_request_failed"')
         assert tries >= 6, f"chandrad tried {tries} times only"
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_daemon(daemon)
         router.stop()
         stop_quietly(*workers)
 

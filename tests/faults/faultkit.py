@@ -11,6 +11,7 @@ SQLite store, the folders and the outputs; and how each fault appends one row of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,3 +419,18 @@ class RemoteEngine:
         except ProcessLookupError:
             pass
         self.proc.wait()
+
+
+@contextlib.contextmanager
+def serving_daemon(root: Path, delay_s: float, settle: float) -> Iterator[Daemon]:
+    """A daemon answering its socket, with a stand-in engine of its own reached through
+    ``engine.url`` (a module fixture of the fault suites); both stopped afterwards."""
+    engine = RemoteEngine(root / "engine", delay_s=delay_s)
+    d = Daemon(root / "d", engine.toml, settle=settle)
+    d.start()
+    try:
+        d.wait_for("status answers", lambda: d.status() is not None, 60)
+        yield d
+    finally:
+        d.cleanup()
+        engine.close()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from faults.faultkit import Daemon, RemoteEngine, audit, drop, record
+from faults.faultkit import Daemon, audit, drop, record, serving_daemon
 
 DOC = "digital_federal-register_15p.pdf"
 DOC_PAGES = 15
@@ -32,16 +32,9 @@ GROW_SECONDS = float(os.environ.get("CHANDRAD_FAULTS_GROW_SECONDS", "10"))
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("path-faults")
-    engine = RemoteEngine(root / "engine", delay_s=0.5)
-    d = Daemon(root / "d", engine.toml, settle=1.0)
-    d.start()
-    try:
-        d.wait_for("status answers", lambda: d.status() is not None, 60)
+    with serving_daemon(tmp_path_factory.mktemp("path-faults"), delay_s=0.5,
+                        settle=1.0) as d:
         yield d
-    finally:
-        d.cleanup()
-        engine.close()
 
 
 def _job(d: Daemon, name: str) -> dict[str, object] | None:

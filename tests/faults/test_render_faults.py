@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from faults.faultkit import Daemon, RemoteEngine, audit, drop, record
+from faults.faultkit import Daemon, audit, drop, record, serving_daemon
 
 DOC = "digital_federal-register_15p.pdf"
 DOC_PAGES = 15
@@ -29,16 +29,9 @@ ONE_PAGE = "image_hi-devanagari.png"
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("render-faults")
-    engine = RemoteEngine(root / "engine", delay_s=0.3)
-    d = Daemon(root / "d", engine.toml, settle=0.5)
-    d.start()
-    try:
-        d.wait_for("status answers", lambda: d.status() is not None, 60)
+    with serving_daemon(tmp_path_factory.mktemp("render-faults"), delay_s=0.3,
+                        settle=0.5) as d:
         yield d
-    finally:
-        d.cleanup()
-        engine.close()
 
 
 def _workers(d: Daemon) -> list[psutil.Process]:
