@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from test_daemon import DaemonUnderTest, drop
 from test_daemon_service import ctl, wait_answering, write_config
 from test_supervision import start_daemon, status, wait_engine
 from test_systemd import _tool
+from waiting import wait_until
 
 from chandrad.config import load_config
 from chandrad.engine import launch
@@ -163,8 +165,11 @@ def test_one_engine_down_behind_the_router_keeps_chandrad_ready(
         [str(python), "-m", API_SERVER_MODULE, "--port", str(p), "--served-model-name",
          "chandra"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL) for p in ports]
+    # The router checks its engines every second instead of the unit's 5 s (three failed
+    # checks mark one unhealthy): it notices each kill in ~3 s, not ~15 s; chandrad's own
+    # probing, what this test is about, is unchanged.
     router = start_router([f"http://127.0.0.1:{p}" for p in ports], free_port(), free_port(),
-                          tmp_path / "router.log")
+                          tmp_path / "router.log", "--health-check-interval-secs", "1")
     config = write_config(tmp_path, f'url = "{router.url}"\nhealth_path = "/readiness"\n'
                           'served_model_name = "chandra"\n', tmp_path / "ctl.sock")
     sock, log = tmp_path / "ctl.sock", tmp_path / "daemon.log"
@@ -239,6 +244,19 @@ def test_router_that_cannot_reach_an_engine_charges_no_page(
             time.sleep(1)
         tries = log.read_text().count('"engine_request_failed"')
         assert tries >= 6, f"chandrad tried {tries} times only"
+        # The router still counts its engines healthy, so a SIGTERM drains for
+        # engine.stop_timeout + 60 s; the second SIGTERM stops now (as an operator would)
+        # and the page goes back to the queue, uncharged, for the next start.
+        daemon.send_signal(signal.SIGTERM)
+        wait_until(lambda: '"new": "stopping"' in log.read_text(), 30, "draining")
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0, log.read_text()[-3000:]
+        assert "shutdown_escalated" in log.read_text()
+        db = sqlite3.connect(f"file:{tmp_path / 'state' / 'chandrad.sqlite3'}?mode=ro",
+                             uri=True)
+        pages = db.execute("SELECT state FROM pages").fetchall()
+        db.close()
+        assert pages == [("pending",)], pages
     finally:
         stop_daemon(daemon)
         router.stop()
