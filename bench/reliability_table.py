@@ -6,7 +6,8 @@
 
 Each fault test (``tests/faults/faultkit.record``) and ``bench/soak.py`` append one JSON row
 per fault: what was done, what chandrad did, files lost, pages done twice, time to serving
-again. The newest row per fault wins. Everything between the two marker lines of
+again. The newest row per fault and engine wins (the same fault on the stand-in and on
+vLLM are two rows). Everything between the two marker lines of
 ``docs/reliability.md`` is replaced; the prose around them is kept.
 """
 
@@ -30,9 +31,9 @@ def _cell(value: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    newest: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        newest[row["fault"]] = row  # files are read oldest first
+    newest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:  # files are read oldest first
+        newest[(row["fault"], str(row.get("engine", "")))] = row
     lines = ["| fault | what chandrad did | files lost | pages done twice | "
              "serving again (s) | engine | test |",
              "|---|---|---|---|---|---|---|"]
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     head, _, rest = doc.partition(BEGIN)
     _, _, tail = rest.partition(END)
     args.doc.write_text(head + table(rows) + tail, encoding="utf-8")
-    print(f"{args.doc}: {len({r['fault'] for r in rows})} rows")
+    print(f"{args.doc}: {len({(r['fault'], str(r.get('engine', ''))) for r in rows})} rows")
     return 0
 
 
