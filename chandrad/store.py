@@ -114,6 +114,41 @@ MIGRATIONS: tuple[str, ...] = (
         abs_path = CAST(abs_path AS BLOB), output_dir = CAST(output_dir AS BLOB),
         final_path = CAST(final_path AS BLOB)
     """,
+    # 4: jobs and pages per state kept by triggers, so counts() (the status line, every
+    # main-loop tick) and page_counts() (every metrics scrape) read a handful of rows
+    # instead of an index scan over every job and page ever accepted (issue 8 backlog).
+    """
+    CREATE TABLE job_counts (state TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+    INSERT INTO job_counts (state, n) SELECT state, COUNT(*) FROM jobs GROUP BY state;
+    CREATE TRIGGER job_counts_insert AFTER INSERT ON jobs BEGIN
+        INSERT INTO job_counts (state, n) VALUES (NEW.state, 1)
+            ON CONFLICT (state) DO UPDATE SET n = n + 1;
+    END;
+    CREATE TRIGGER job_counts_delete AFTER DELETE ON jobs BEGIN
+        UPDATE job_counts SET n = n - 1 WHERE state = OLD.state;
+    END;
+    CREATE TRIGGER job_counts_update AFTER UPDATE OF state ON jobs
+    WHEN OLD.state IS NOT NEW.state BEGIN
+        UPDATE job_counts SET n = n - 1 WHERE state = OLD.state;
+        INSERT INTO job_counts (state, n) VALUES (NEW.state, 1)
+            ON CONFLICT (state) DO UPDATE SET n = n + 1;
+    END;
+    CREATE TABLE page_counts (state TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+    INSERT INTO page_counts (state, n) SELECT state, COUNT(*) FROM pages GROUP BY state;
+    CREATE TRIGGER page_counts_insert AFTER INSERT ON pages BEGIN
+        INSERT INTO page_counts (state, n) VALUES (NEW.state, 1)
+            ON CONFLICT (state) DO UPDATE SET n = n + 1;
+    END;
+    CREATE TRIGGER page_counts_delete AFTER DELETE ON pages BEGIN
+        UPDATE page_counts SET n = n - 1 WHERE state = OLD.state;
+    END;
+    CREATE TRIGGER page_counts_update AFTER UPDATE OF state ON pages
+    WHEN OLD.state IS NOT NEW.state BEGIN
+        UPDATE page_counts SET n = n - 1 WHERE state = OLD.state;
+        INSERT INTO page_counts (state, n) VALUES (NEW.state, 1)
+            ON CONFLICT (state) DO UPDATE SET n = n + 1;
+    END;
+    """,
 )
 
 _JOB_COLUMNS = """
@@ -656,7 +691,8 @@ class Store:
         """Jobs per state: pending, active (= running), held, done, failed, partial, cancelled."""
         out = {"pending": 0, "active": 0, "held": 0, "done": 0, "failed": 0, "partial": 0,
                "cancelled": 0}
-        for state, n in self._conn.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+        # Kept by triggers (migration 4): a few rows, however many jobs the store holds.
+        for state, n in self._conn.execute("SELECT state, n FROM job_counts WHERE n > 0"):
             out["active" if state == JobState.RUNNING else state] = n
         return out
 
@@ -774,7 +810,7 @@ class Store:
     def page_counts(self) -> dict[str, int]:
         """Pages per state (pending, in_flight, done, failed), over every job."""
         return {str(state): int(n) for state, n in self._conn.execute(
-            "SELECT state, COUNT(*) FROM pages GROUP BY state")}
+            "SELECT state, n FROM page_counts WHERE n > 0")}
 
     # -- learned profiles ------------------------------------------------------------
 
@@ -806,8 +842,19 @@ class Store:
 
 
 def _statements(script: str) -> list[str]:
-    """Split a migration script into statements (ours contain no ``;`` in literals)."""
-    return [s.strip() for s in script.split(";") if s.strip()]
+    """Split a migration script into statements (ours contain no ``;`` in literals); a
+    trigger's ``BEGIN … END;`` body is kept whole (``sqlite3.complete_statement``)."""
+    out: list[str] = []
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                out.append(pending.strip())
+            pending = ""
+    if pending.strip(" \n;"):
+        out.append(pending.strip())
+    return out
 
 
 def _param(value: Any) -> Any:
