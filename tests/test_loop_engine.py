@@ -66,6 +66,7 @@ extra_args = ["--enable-log-requests", "--enable-log-outputs"]
 
 [engine.memory]
 max_num_seqs = 4
+enforce_eager = true  # no torch.compile warm-up (~16 s a start): not what this tests
 
 [control]
 socket = "{tmp_path / 'control.sock'}"

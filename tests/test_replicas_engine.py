@@ -119,6 +119,7 @@ gpu_memory_utilization = "auto"
 max_num_seqs = 4
 max_num_batched_tokens = "auto"
 max_model_len = 4096
+enforce_eager = true  # no torch.compile warm-up (~16 s a start, 3 starts): not what this tests
 
 [engine.downshift]
 backoff = [1, 5]

@@ -409,7 +409,8 @@ class CpuEngine:
 def start_cpu_engine(python: Path, model: Path, port: int, core: int, log: Path) -> CpuEngine:
     argv = ["taskset", "-c", str(core), str(python), "-m", API_SERVER_MODULE,
             "--model", str(model), "--served-model-name", "chandra", "--host", "127.0.0.1",
-            "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "16"]
+            "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "16",
+            "--enforce-eager"]  # no torch.compile warm-up (~16 s a start): not what this tests
     # The OpenMP threads of vLLM's CPU backend bind to the same core (its "auto" would
     # spread them over every core of the machine).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}

@@ -77,6 +77,7 @@ env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
 [engine.memory]
 max_num_seqs = 4
 max_model_len = {max_model_len}
+enforce_eager = true  # no torch.compile warm-up (~16 s a start): not what this tests
 
 [control]
 socket = "{tmp_path / 'control.sock'}"

@@ -36,13 +36,17 @@ START_TIMEOUT = 420.0
 
 
 def engine_config(model: Path, port: int, **memory: Any) -> EngineConfig:
+    """The tiny model on the CPU engine, eager: these tests are about supervision, and vLLM's
+    torch.compile warm-up (its default on CPU) would add ~16 s to each of their 7 engine starts
+    (CI time is a budget); test_tiny_engine keeps vLLM's default path."""
     return EngineConfig(
         model=str(model), served_model_name="chandra", port=port,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"},
         startup_timeout=START_TIMEOUT, stop_timeout=15, stable_seconds=1.0,
         memory=MemoryConfig(gpu_memory_utilization=None, max_num_seqs=8,
                             max_num_batched_tokens=None, max_model_len=4096,
-                            limit_mm_per_prompt={"image": 1}, **memory),
+                            limit_mm_per_prompt={"image": 1}, enforce_eager=True,
+                            **memory),
         downshift=DownshiftConfig(backoff_initial=0.5, backoff_max=2.0, max_restarts=3,
                                   min_max_model_len=1024),
     )

