@@ -8,7 +8,7 @@ every output has the page count of an undisturbed run.
     .venv/bin/python bench/soak.py --backlog 10000 --restart-every 60          # 10,000 files while
                                                           # the engine restarts every 60 s
 
-``--engine standin`` supervises the stand-in engine process (``tests/faults/standin_engine.py``)
+``--engine standin`` supervises the stand-in engine process (``tests/standin_engine.py``)
 instead of vLLM; ``--engine remote`` reaches that process through ``engine.url`` and kills
 and restarts it itself (an engine chandrad does not own crashing and coming back): no
 vLLM import at all, which is what CI's short versions use on a shared two-core machine.

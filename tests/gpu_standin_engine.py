@@ -42,11 +42,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from standin_engine import EngineHandler, EngineServer, completion, error, log
 
 VERSION = "0.17.0"  # the vLLM release whose log lines and defaults this stand-in follows
 GIB = 1 << 30
@@ -83,18 +83,6 @@ def parser() -> argparse.ArgumentParser:
     for flag in IGNORED_SWITCHES:
         p.add_argument(flag, action="store_true")
     return p
-
-
-def _stamp() -> str:
-    return time.strftime("%m-%d %H:%M:%S")
-
-
-def log(who: str, level: str, where: str, text: str, stream: Any = None) -> None:
-    """One line as vLLM prints it: ``(WHO pid=N) LEVEL mm-dd HH:MM:SS [file:line] text``
-    (uvicorn's lines, ``where`` empty: ``(WHO pid=N) LEVEL:     text``)."""
-    line = (f"({who} pid={os.getpid()}) {level} {_stamp()} [{where}] {text}" if where
-            else f"({who} pid={os.getpid()}) {level}:     {text}")
-    print(line, file=stream or sys.stdout, flush=True)
 
 
 # ------------------------------------------------------------------ flag check (engine.python)
@@ -216,51 +204,22 @@ def engine_core(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------ API server (leader)
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    served: str
-    max_model_len: int
+class _Server(EngineServer):
     core: subprocess.Popen[str]
     lock: threading.Lock
-    running: int
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(EngineHandler):
     server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        del format, args
-
-    def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path == "/health":
-            self._send(200, b"", "text/plain")
-        elif self.path == "/v1/models":
-            self._send(200, json.dumps({"object": "list", "data": [
-                {"id": self.server.served, "object": "model",
-                 "max_model_len": self.server.max_model_len}]}).encode())
-        elif self.path == "/metrics":
-            self._send(200, (f"vllm:num_requests_running {self.server.running}\n"
-                             "vllm:num_requests_waiting 0\n").encode(), "text/plain")
-        else:
-            self._send(404, b"{}")
 
     def do_POST(self) -> None:  # noqa: N802
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         if self.path != "/v1/chat/completions":
-            self._send(404, b"{}")
+            self.send(404, {"detail": "Not Found"})
             return
         if body.get("model") != self.server.served:
-            self._send(404, json.dumps({"object": "error", "code": 404, "message":
-                                        f"The model `{body.get('model')}` does not exist."}
-                                       ).encode())
+            self.send(404, error(404, f"The model `{body.get('model')}` does not exist."))
             return
         self.server.running += 1
         try:
@@ -275,21 +234,11 @@ class _Handler(BaseHTTPRequestHandler):
                     answer = ""
         finally:
             self.server.running -= 1
-        status = 200 if answer.strip() == "done" else 500
-        # uvicorn's access line, as vLLM's API server prints it: which engine served a page.
-        log("APIServer", "INFO", "", f'{self.client_address[0]}:{self.client_address[1]} - '
-            f'"POST /v1/chat/completions HTTP/1.1" {status}')
-        if status != 200:
-            self._send(500, json.dumps({"object": "error", "code": 500, "message":
-                                        "EngineCore encountered an issue."}).encode())
+        if answer.strip() != "done":  # the access line says which engine served a page
+            self.send(500, error(500, "EngineCore encountered an issue."))
             return
-        self._send(200, json.dumps({
-            "id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion",
-            "model": self.server.served,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": PAGE}}],
-            "usage": {"prompt_tokens": 1000, "completion_tokens": 60, "total_tokens": 1060},
-        }).encode())
+        self.send(200, completion(self.server.served, PAGE, prompt_tokens=1000,
+                                  completion_tokens=60))
 
 
 def serve(argv: list[str]) -> int:
@@ -329,7 +278,6 @@ def serve(argv: list[str]) -> int:
     server.max_model_len = args.max_model_len
     server.core = core
     server.lock = threading.Lock()
-    server.running = 0
     threading.Thread(target=server.serve_forever, daemon=True).start()
     log(who, "INFO", "api_server.py:1971", f"Starting vLLM API server 0 on "
         f"http://127.0.0.1:{args.port}")

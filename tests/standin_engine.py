@@ -1,59 +1,370 @@
-"""A stand-in for the engine's interpreter, at the process boundary (no vLLM, no GPU here).
+"""The stand-in engine: vLLM as seen from outside, one process, for every test where the
+inference itself is not the point (no vLLM, no GPU here).
 
-Used as ``engine.python`` through a small wrapper script the tests write
-(:func:`write_standin`): ``<wrapper> -m vllm.entrypoints.openai.api_server FLAGS`` plays
-the engine: it prints vLLM's real log lines, fails the way vLLM fails on a GPU that
-is too small (the exact messages of vLLM 0.32, see tests/fixtures/classify/cases.jsonl),
-or serves ``/health``, ``/v1/models`` and ``/metrics`` on its port.
-``<wrapper> -m chandrad check-flags`` plays the flag-check child (a verdict, a crash,
-a kill or a slow answer); anything else (``-c CODE``) runs the real interpreter.
+It prints vLLM's real log lines, fails the way vLLM fails on a GPU that is too small (the
+exact messages of vLLM 0.32, see tests/fixtures/classify/cases.jsonl), and serves
+``/health``, ``/v1/models``, ``/metrics`` and ``/v1/chat/completions`` with uvicorn's
+access-log line per request. It is started three ways:
 
-Several replicas share one scenario; ``per_port`` gives the one on a port its own
-behaviour. The scenario is a JSON file beside the wrapper; what happened is appended to
-``events.jsonl`` in the same folder, so a test can read the sequence of spawns.
+* as ``engine.python``, through a wrapper script (:func:`write_standin`):
+  ``<wrapper> -m vllm.entrypoints.openai.api_server FLAGS`` is the engine,
+  ``<wrapper> -m chandrad check-flags`` the flag-check child (a verdict, a crash, a kill or
+  a slow answer), and anything else (``-c CODE``) runs the real interpreter;
+* as ``engine.command`` (``[python, THIS]``; chandrad appends its vLLM flags), the scenario
+  named by ``$STANDIN_CONTROL`` (the fault suite, ``bench/soak.py``);
+* by a test itself, reached through ``engine.url`` (:class:`StandinServer`).
+
+Its behaviour is one JSON scenario (``--standin-scenario FILE`` or ``$STANDIN_CONTROL``),
+read once at start, so that a test can change what the *next* generation does:
+
+* ``mode``: ``serve`` (default); ``never_ready`` (prints the loading lines, never listens);
+  ``term_crash`` (serves, but dies with SIGSEGV-like exit 139 on SIGTERM, mid-shutdown);
+  ``term_ignore`` (serves, ignores SIGTERM: only SIGKILL ends it).
+* ``startup_s``: seconds of "loading" before it listens (default 0.5; 0 in a wrapper's).
+* ``free_fraction``: the GPU's free share; a larger ``--gpu-memory-utilization`` fails
+  with vLLM's ValueError. ``kv_needs_eager``: no room for the KV cache unless
+  ``--enforce-eager``. ``setsid_grandchild``: leave a child in a session of its own.
+* ``check_flags``: the flag check's answers in turn (``ok``, ``bad_flag``,
+  ``import_error``, ``killed``, ``sleep:S``; the last repeats).
+* ``per_port``: overrides for the replica on that port (replica i listens on port + i).
+* ``delay_s``: seconds each page takes (default 0.2; 0 in a wrapper's).
+* ``max_model_len``: reported by ``/v1/models``; a ``max_tokens`` that does not fit after
+  the prompt is answered with vLLM 0.11-0.17's 400 (MinerU#4868).
+  ``prompt_text_tokens``: the prompt's text tokens, plus one per 32x32 px of the page.
+* ``replies`` and ``default`` (re-read at every request, so a test may change them while
+  the engine runs): how a page is answered, by the first key that matches the page image:
+  ``width:W``, ``colour:R,G,B`` (its centre pixel) or ``sha256:HEX``; a reply, or a list
+  answered in turn (the last repeats). A reply: ``status`` (200), ``delay_s``, ``content``
+  (``{n}``: the count of earlier answers to that key), ``finish_reason`` ("stop"), ``raw``
+  (a body that is not a chat completion), ``message`` (an error's), ``prompt_tokens``.
+  The default content names the page image's sha256, so a test can tell pages apart.
+* ``record_messages``: keep the messages (the page image) in the ``chat`` events too.
+
+What happened is appended to ``events.jsonl`` beside the scenario (``spawn``,
+``check_flags``, ``chat`` at each request's arrival, ``grandchild``) and, when it listens,
+the port to ``port``; each completed page appends ``<unix time> <sha256> <pid>`` to
+``$STANDIN_LOG``. The GPU stand-in (gpu_standin_engine.py) shares its log lines and HTTP
+side.
 """
 
 from __future__ import annotations
 
+import argparse
+import base64
+import contextlib
+import hashlib
+import io
 import json
+import math
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VERSION = "0.32.0"
 TOTAL_GIB = 79.19
+THIS = Path(__file__).resolve()
+#: What a wrapper's engine does unless its scenario says otherwise: start and answer at
+#: once (the supervision tests count restarts, not seconds).
+WRAPPER_DEFAULTS = {"startup_s": 0.0, "delay_s": 0.0}
 
 
+# ------------------------------------------------------------------ test side
 def write_standin(folder: Path, scenario: dict[str, Any]) -> Path:
-    """Write the scenario and an executable wrapper in ``folder``; returns the wrapper."""
+    """Write the scenario and an executable wrapper (``engine.python``) in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "scenario.json").write_text(json.dumps(scenario))
+    path = folder / "scenario.json"
+    path.write_text(json.dumps({**WRAPPER_DEFAULTS, **scenario}))
     wrapper = folder / "python"
-    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} "
-                       f"{folder / 'scenario.json'} \"$@\"\n")
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {THIS} --standin-scenario {path} "
+                       "\"$@\"\n")
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return wrapper
 
 
 def events(folder: Path) -> list[dict[str, Any]]:
-    """What the stand-in recorded so far, oldest first."""
+    """What the stand-in recorded so far in ``folder``, oldest first."""
     path = folder / "events.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _record(folder: Path, **event: Any) -> None:
-    with (folder / "events.jsonl").open("a") as fh:
-        fh.write(json.dumps(event) + "\n")
+class StandinServer:
+    """A stand-in engine process the test runs itself and names as ``engine.url``."""
+
+    def __init__(self, folder: Path, scenario: dict[str, Any] | None = None, *,
+                 served: str = "chandra") -> None:
+        self.folder = folder
+        self.served = served
+        self.scenario: dict[str, Any] = {**WRAPPER_DEFAULTS, **(scenario or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def update(self, **scenario: Any) -> None:
+        """Change the scenario (``replies`` and ``default`` apply to the next request)."""
+        self.scenario.update(scenario)
+        tmp = self.folder / "scenario.json.tmp"
+        tmp.write_text(json.dumps(self.scenario))
+        tmp.replace(self.folder / "scenario.json")
+
+    def start(self) -> StandinServer:
+        from waiting import exited, wait_until
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.update()
+        with (self.folder / "engine.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(THIS), "--standin-scenario",
+                 str(self.folder / "scenario.json"), "--port", "0",
+                 "--served-model-name", self.served],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        port_file = self.folder / "port"
+        wait_until(lambda: port_file.exists() and port_file.read_text().strip(), 60,
+                   "the stand-in engine listens", every=0.05, gone=exited(self.proc),
+                   context=lambda: (self.folder / "engine.log").read_text())
+        self.port = int(port_file.read_text())
+        return self
+
+    def chats(self) -> list[dict[str, Any]]:
+        """The chat requests so far, at their arrival, oldest first."""
+        return [e for e in events(self.folder) if e["what"] == "chat"]
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+
+@contextlib.contextmanager
+def standin_server(folder: Path, scenario: dict[str, Any] | None = None, *,
+                   served: str = "chandra") -> Iterator[StandinServer]:
+    """:class:`StandinServer`, started, and stopped afterwards."""
+    server = StandinServer(folder, scenario, served=served)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------------------------ vLLM's lines and replies
+def log(who: str, level: str, where: str, text: str, stream: Any = None) -> None:
+    """One line as vLLM prints it: ``(WHO pid=N) LEVEL mm-dd HH:MM:SS [file:line] text``
+    (uvicorn's lines, ``where`` empty: ``(WHO pid=N) LEVEL:     text``)."""
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    line = (f"({who} pid={os.getpid()}) {level} {stamp} [{where}] {text}" if where
+            else f"({who} pid={os.getpid()}) {level}:     {text}")
+    print(line, file=stream or sys.stdout, flush=True)
+
+
+def completion(model: str, content: str, *, finish_reason: str = "stop",
+               prompt_tokens: int = 1, completion_tokens: int = 1) -> dict[str, Any]:
+    """A chat completion as vLLM's OpenAI server answers it."""
+    return {"id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion",
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": finish_reason,
+                         "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def error(status: int, message: str) -> dict[str, Any]:
+    """vLLM's error body."""
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return {"object": "error", "type": kind, "code": status, "message": message}
+
+
+class EngineServer(ThreadingHTTPServer):
+    """vLLM's API server as chandrad probes it: the served name, the length, the load."""
+
+    daemon_threads = True
+    served = "chandra"
+    max_model_len: int | None = None
+    running = 0
+
+
+class EngineHandler(BaseHTTPRequestHandler):
+    """``/health``, ``/v1/models`` and ``/metrics``, with uvicorn's access-log line;
+    a subclass answers ``POST /v1/chat/completions``."""
+
+    server: EngineServer
+    server_version = "uvicorn"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+        del format, args
+
+    def send(self, code: int, body: dict[str, Any] | bytes,
+             ctype: str = "application/json") -> None:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        with contextlib.suppress(OSError):  # the client gave up (a timeout, a cancel)
+            self.wfile.write(data)
+        log("APIServer", "INFO", "", f'{self.client_address[0]}:{self.client_address[1]} - '
+            f'"{self.command} {self.path} HTTP/1.1" {code}')
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        served = self.server.served
+        if self.path == "/health":
+            self.send(200, b"", "text/plain")
+        elif self.path == "/v1/models":
+            model: dict[str, Any] = {"id": served, "object": "model"}
+            if self.server.max_model_len is not None:
+                model["max_model_len"] = self.server.max_model_len
+            self.send(200, {"object": "list", "data": [model]})
+        elif self.path == "/metrics":
+            self.send(200, (f'vllm:num_requests_running{{model_name="{served}"}} '
+                            f'{self.server.running}.0\n'
+                            f'vllm:num_requests_waiting{{model_name="{served}"}} 0.0\n'
+                            ).encode(), "text/plain")
+        else:
+            self.send(404, {"detail": "Not Found"})
+
+
+# ------------------------------------------------------------------ the CPU stand-in
+class _Engine(EngineServer):
+    scenario_path: Path | None
+    folder: Path | None
+    delay_s: float
+    prompt_text_tokens: int | None
+    lock: threading.Lock
+    answered: dict[str, int]
+
+
+def _read(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def _record(folder: Path | None, **event: Any) -> None:
+    if folder is None:
+        return
+    fd = os.open(folder / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(event) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _page(body: dict[str, Any], colour: bool) -> dict[str, Any]:
+    """The page image of a chat request: its sha256, size and (if asked) centre colour."""
+    from PIL import Image
+
+    for message in body.get("messages", []):
+        for part in message.get("content") or []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+                page: dict[str, Any] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                        "colour": []}
+                with Image.open(io.BytesIO(data)) as image:  # reads the header only
+                    page["width"], page["height"] = image.size
+                    if colour:  # decodes the image: only for a scenario that needs it
+                        rgb = image.convert("RGB").getpixel((image.width // 2,
+                                                             image.height // 2))
+                        assert isinstance(rgb, tuple)
+                        page["colour"] = [int(c) for c in rgb[:3]]
+                return page
+    return {"sha256": "", "width": 0, "height": 0, "colour": []}
+
+
+def _keys(page: dict[str, Any]) -> list[str]:
+    """The scenario keys that name this page, in the order they are tried."""
+    return [f"width:{page['width']}", f"colour:{','.join(map(str, page['colour']))}",
+            f"sha256:{page['sha256']}"]
+
+
+class _ChatHandler(EngineHandler):
+    server: _Engine
+
+    def _reply(self, scenario: dict[str, Any], page: dict[str, Any]) -> dict[str, Any]:
+        """The scenario's next reply to this page (the last one repeats)."""
+        replies: dict[str, Any] = scenario.get("replies", {})
+        key = next((k for k in _keys(page) if k in replies), "default")
+        script = replies[key] if key in replies else scenario.get("default", {})
+        script = script if isinstance(script, list) else [script]
+        with self.server.lock:
+            n = self.server.answered.get(key, 0)
+            self.server.answered[key] = n + 1
+        reply: dict[str, Any] = dict(script[min(n, len(script) - 1)]) if script else {}
+        reply["n"] = n
+        return reply
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        if self.path != "/v1/chat/completions":
+            self.send(404, {"detail": "Not Found"})
+            return
+        with self.server.lock:
+            self.server.running += 1
+            running = self.server.running
+        try:
+            scenario = _read(self.server.scenario_path)  # replies may change while it runs
+            named = [*scenario.get("replies", {}), *scenario.get("prompt_tokens", {})]
+            page = _page(body, colour=any(k.startswith("colour:") for k in named))
+            prompt = 1
+            if self.server.prompt_text_tokens is not None:
+                prompt = (self.server.prompt_text_tokens + math.ceil(page["width"] / 32)
+                          * math.ceil(page["height"] / 32))
+            measured: dict[str, int] = scenario.get("prompt_tokens", {})
+            prompt = next((int(measured[k]) for k in _keys(page) if k in measured), prompt)
+            _record(self.server.folder, what="chat", t=time.monotonic(), pid=os.getpid(),
+                    running=running, prompt_tokens=prompt,
+                    body={k: v for k, v in body.items()
+                          if k != "messages" or scenario.get("record_messages")}, **page)
+            limit, max_tokens = self.server.max_model_len, body.get("max_tokens")
+            if limit is not None and max_tokens is not None and max_tokens + prompt > limit:
+                # vLLM 0.11-0.17's answer (serving_chat.py), as MinerU#4868 quotes it.
+                self.send(400, error(400, "'max_tokens' or 'max_completion_tokens' is too "
+                                     f"large: {max_tokens}. This model's maximum context "
+                                     f"length is {limit} tokens and your request has {prompt} "
+                                     f"input tokens ({max_tokens} > {limit} - {prompt})."))
+                return
+            reply = self._reply(scenario, page)
+            time.sleep(float(reply.get("delay_s", self.server.delay_s)))
+        finally:
+            with self.server.lock:
+                self.server.running -= 1
+        self._answer(page, reply, prompt)
+
+    def _answer(self, page: dict[str, Any], reply: dict[str, Any], prompt: int) -> None:
+        status = int(reply.get("status", 200))
+        if status != 200:
+            self.send(status, error(status, str(reply.get("message", "stand-in failure"))))
+            return
+        if "raw" in reply:
+            self.send(200, str(reply["raw"]).encode())
+            return
+        content = str(reply.get("content", '<div data-bbox="10 10 500 60" data-label="Text">'
+                                f'<p>stand-in page {page["sha256"][:16]}</p></div>'))
+        self.send(200, completion(self.server.served, content.replace("{n}", str(reply["n"])),
+                                  finish_reason=str(reply.get("finish_reason", "stop")),
+                                  prompt_tokens=prompt, completion_tokens=10))
+        path = os.environ.get("STANDIN_LOG")
+        if path:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, f"{time.time():.3f} {page['sha256']} {os.getpid()}\n".encode())
+            finally:
+                os.close(fd)
 
 
 def _next_behaviour(folder: Path, name: str, plan: list[str]) -> str:
@@ -65,6 +376,7 @@ def _next_behaviour(folder: Path, name: str, plan: list[str]) -> str:
 
 
 def check_flags(folder: Path, scenario: dict[str, Any]) -> int:
+    """``-m chandrad check-flags``: read the flags (JSON list), answer as scripted."""
     flags = json.loads(sys.stdin.read())
     behaviour = _next_behaviour(folder, "check_flags", scenario.get("check_flags", ["ok"]))
     _record(folder, what="check_flags", behaviour=behaviour, pid=os.getpid())
@@ -77,7 +389,8 @@ def check_flags(folder: Path, scenario: dict[str, Any]) -> int:
     if behaviour == "bad_flag":
         bad = next((f for f in flags if f.startswith("--no-such")), flags[-1])
         print(json.dumps([{"key": "engine.extra_args", "code": "engine_flag_invalid",
-                           "message": f"{bad} is not an option of the installed vLLM 0.32.0"}]))
+                           "message": f"{bad} is not an option of the installed vLLM "
+                           f"{VERSION}"}]))
         return 0
     if behaviour == "import_error":
         print("Traceback (most recent call last):\n  File \"<frozen runpy>\", line 198\n"
@@ -88,61 +401,40 @@ def check_flags(folder: Path, scenario: dict[str, Any]) -> int:
     raise SystemExit(f"unknown check_flags behaviour {behaviour!r}")
 
 
-def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
-    for i, token in enumerate(argv):
-        if token == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if token.startswith(name + "="):
-            return token.split("=", 1)[1]
-    return default
+def _flags(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="standin_engine", allow_abbrev=False)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default="")
+    p.add_argument("--served-model-name", default="chandra")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    return p.parse_known_args(argv)[0]
 
 
-def _log(level: str, text: str, who: str = "APIServer") -> None:
-    stamp = time.strftime("%m-%d %H:%M:%S")
-    print(f"({who} pid={os.getpid()}) {level} {stamp} [api_server.py:1] {text}", flush=True)
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
-class _Handler(BaseHTTPRequestHandler):
-    served = "chandra"
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path == "/health":
-            self._send(200, b"", "text/plain")
-        elif self.path == "/v1/models":
-            body = json.dumps({"object": "list", "data": [{"id": self.served,
-                                                           "object": "model"}]})
-            self._send(200, body.encode(), "application/json")
-        elif self.path == "/metrics":
-            self._send(200, b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n",
-                       "text/plain")
-        else:
-            self._send(404, b"{}", "application/json")
-
-    def _send(self, code: int, body: bytes, ctype: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        return
-
-
-def serve(folder: Path, scenario: dict[str, Any], argv: list[str]) -> int:
-    port = int(_flag(argv, "--port", "8000") or 8000)
-    # One scenario file for several replicas: "per_port" overrides what the engine on that
-    # port does (replica i listens on engine.port + i).
-    scenario = {**scenario, **scenario.get("per_port", {}).get(str(port), {})}
-    host = _flag(argv, "--host", "127.0.0.1") or "127.0.0.1"
-    util = float(_flag(argv, "--gpu-memory-utilization", "0.9") or 0.9)
-    eager = "--enforce-eager" in argv
+def serve(scenario_path: Path | None, argv: list[str]) -> int:
+    """The API server: vLLM's start-up lines, its start-up failures, then the endpoints."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # stopped while loading
+    args = _flags(argv)
+    folder = scenario_path.parent if scenario_path is not None else None
+    scenario = _read(scenario_path)
+    # One scenario for several replicas: "per_port" overrides what the engine on that port
+    # does (replica i listens on engine.port + i).
+    scenario = {**scenario, **scenario.get("per_port", {}).get(str(args.port), {})}
+    mode = str(scenario.get("mode", "serve"))
+    util, eager = args.gpu_memory_utilization, args.enforce_eager
     _record(folder, what="spawn", pid=os.getpid(), util=util, eager=eager, argv=argv,
-            sid=os.getsid(0), t=time.monotonic(), port=port,
+            sid=os.getsid(0), t=time.monotonic(), port=args.port,
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             cpus=sorted(os.sched_getaffinity(0)))
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    _log("INFO", "vLLM API server version 0.32.0")
+    who = "APIServer"
+    log(who, "INFO", "api_server.py:1890", f"vLLM API server version {VERSION}")
+    log(who, "INFO", "api_utils.py:286", f"non-default args: {{'port': {args.port}, "
+        f"'model': '{args.model}', 'served_model_name': ['{args.served_model_name}']}}")
     if scenario.get("setsid_grandchild"):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                                  start_new_session=True)
@@ -150,46 +442,79 @@ def serve(folder: Path, scenario: dict[str, Any], argv: list[str]) -> int:
     free = scenario.get("free_fraction")
     if free is not None and util > float(free):
         free_gib = round(float(free) * TOTAL_GIB, 2)
-        _log("ERROR", f"ValueError: Free memory on device cuda:0 ({free_gib:.2f}/{TOTAL_GIB} "
-             f"GiB) on startup is less than the engine's budget after excluding external "
-             f"process's weights ({util}, {util * TOTAL_GIB:.2f} GiB). Decrease GPU memory "
-             "utilization or reduce GPU memory used by other processes.", "EngineCore_DP0")
+        log("EngineCore_DP0", "ERROR", "core.py:708", f"ValueError: Free memory on device "
+            f"cuda:0 ({free_gib:.2f}/{TOTAL_GIB} GiB) on startup is less than the engine's "
+            f"budget after excluding external process's weights ({util}, "
+            f"{util * TOTAL_GIB:.2f} GiB). Decrease GPU memory utilization or reduce GPU "
+            "memory used by other processes.")
         return 1
     if scenario.get("kv_needs_eager") and not eager:
-        _log("ERROR", "ValueError: No available memory for the cache blocks. Try increasing "
-             "`gpu_memory_utilization` when initializing the engine (this flag also controls "
-             "CPU memory reservation on the CPU backend, despite its name). See "
-             "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more "
-             "details.", "EngineCore_DP0")
-        _log("ERROR", "EngineCore failed to start.", "EngineCore_DP0")
+        log("EngineCore_DP0", "ERROR", "core.py:708", "ValueError: No available memory for "
+            "the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
+            "engine (this flag also controls CPU memory reservation on the CPU backend, "
+            "despite its name). See https://docs.vllm.ai/en/latest/configuration/"
+            "conserving_memory/ for more details.")
+        log("EngineCore_DP0", "ERROR", "core.py:708", "EngineCore failed to start.")
         return 1
-    time.sleep(float(scenario.get("listen_delay", 0)))
-    _Handler.served = _flag(argv, "--served-model-name", "chandra") or "chandra"
+    log(who, "INFO", "model.py:733", "Resolved architecture: Idefics3ForConditionalGeneration")
+    time.sleep(float(scenario.get("startup_s", 0.5)))
+    if mode == "never_ready":
+        log(who, "INFO", "default_loader.py:291", "Loading weights took 0.02 seconds")
+        while True:  # a load that never finishes: only startup_timeout ends it
+            time.sleep(3600)
     try:
-        server = ThreadingHTTPServer((host, port), _Handler)
+        server = _Engine((args.host, args.port), _ChatHandler)
     except OSError as exc:
-        _log("ERROR", f"OSError: [Errno {exc.errno}] {exc.strerror}")
+        log(who, "ERROR", "api_server.py:1890", f"OSError: [Errno {exc.errno}] {exc.strerror}")
         return 1
-    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    _log("INFO", f"Starting vLLM server on http://{host}:{port}")
+    server.served = args.served_model_name
+    server.scenario_path, server.folder = scenario_path, folder
+    server.delay_s = float(scenario.get("delay_s", 0.2))
+    server.max_model_len = scenario.get("max_model_len")
+    server.prompt_text_tokens = scenario.get("prompt_text_tokens")
+    server.lock, server.answered = threading.Lock(), {}
+    port = server.server_address[1]
+    log(who, "INFO", "api_server.py:1890", f"Starting vLLM API server 0 on "
+        f"http://{args.host}:{port}")
+    print(f"INFO:     Started server process [{os.getpid()}]", flush=True)
+    print("INFO:     Waiting for application startup.", flush=True)
     print("INFO:     Application startup complete.", flush=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    while True:
-        time.sleep(3600)
+    if folder is not None:
+        (folder / "port.tmp").write_text(str(port))
+        (folder / "port.tmp").replace(folder / "port")
+    if mode == "term_crash":
+        def crash(signum: int, frame: Any) -> None:
+            print("Fatal Python error: Segmentation fault", file=sys.stderr, flush=True)
+            os._exit(139)
+        signal.signal(signal.SIGTERM, crash)
+    elif mode == "term_ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        print("INFO:     Shutting down", flush=True)
+    server.server_close()
+    return 0
 
 
-def main() -> int:
-    scenario_path = Path(sys.argv[1])
-    args = sys.argv[2:]
-    scenario: dict[str, Any] = json.loads(scenario_path.read_text())
-    folder = scenario_path.parent
-    if args[:3] == ["-m", "chandrad", "check-flags"]:
-        return check_flags(folder, scenario)
-    if args[:2] == ["-m", API_SERVER_MODULE]:
-        return serve(folder, scenario, args[2:])
-    os.execv(sys.executable, [sys.executable, *args])
-    return 127  # pragma: no cover - execv does not return
+def main(argv: list[str]) -> int:
+    """Dispatch: the flag check, the API server, or the real interpreter."""
+    scenario_path: Path | None = None
+    if argv[:1] == ["--standin-scenario"]:
+        scenario_path, argv = Path(argv[1]), argv[2:]
+    elif os.environ.get("STANDIN_CONTROL"):
+        scenario_path = Path(os.environ["STANDIN_CONTROL"])
+    if argv[:3] == ["-m", "chandrad", "check-flags"]:
+        assert scenario_path is not None, "the flag check needs a scenario"
+        return check_flags(scenario_path.parent, _read(scenario_path))
+    if argv[:2] == ["-m", API_SERVER_MODULE]:
+        return serve(scenario_path, argv[2:])
+    if argv[:1] in (["-c"], ["-m"]):
+        os.execv(sys.executable, [sys.executable, *argv])
+    return serve(scenario_path, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from test_daemon_service import base_env
+from waiting import exited, wait_until
 
 from chandrad.batch import BatchInputError, Entry, batch_config, plan, stage
 from chandrad.config import parse_config
@@ -132,14 +132,13 @@ socket = "{tmp_path / 'ctl.sock'}"
 listen = ""
 """)
     log = tmp_path / "daemon.log"
-    daemon = subprocess.Popen([sys.executable, "-m", "chandrad", "run", "--config", str(config)],
-                              stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=base_env())
+    with log.open("ab") as daemon_log:  # the daemon keeps its own copy
+        daemon = subprocess.Popen([sys.executable, "-m", "chandrad", "run", "--config",
+                                   str(config)], stdout=daemon_log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, env=base_env())
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "ctl.sock").exists():
-            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_until(lambda: (tmp_path / "ctl.sock").exists(), 60, "the control socket",
+                   gone=exited(daemon), context=log.read_text)
         (tmp_path / "doc.pdf").write_bytes(b"%PDF-1.4\n%%EOF\n")
         empty = tmp_path / "batch.toml"
         empty.write_text("")

@@ -12,7 +12,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from standin_engine import write_standin
 from test_daemon_service import wait_answering
 from test_supervision import daemon_config, start_daemon, wait_engine
+from waiting import wait_until
 
 CHECK_S = 4
 
@@ -70,12 +70,15 @@ def test_reload_wait_shows_progress_on_a_terminal_and_plain_lines_otherwise(
                         f"{command}; echo $? > {shlex.quote(str(rc_file))}; sleep 30"],
                        check=True, timeout=10, env={**os.environ, "TERM": "xterm-256color"})
         shown = ""
-        deadline = time.monotonic() + 60
-        while not rc_file.exists() and time.monotonic() < deadline:
+
+        def finished() -> bool:
+            nonlocal shown
             screen = _capture(session)
             if "waiting for the daemon" in screen and "reloading" in screen:
                 shown = screen
-            time.sleep(0.2)
+            return rc_file.exists()
+
+        wait_until(finished, 60, "reload --wait to exit", context=lambda: _capture(session))
         final = _capture(session)
         assert shown, final
         print(f"\n--- captured reload --wait screen ---\n{shown}")

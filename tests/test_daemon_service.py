@@ -113,9 +113,10 @@ def service_root(tmp_path: Path) -> Path:
 
 
 def start(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    with log.open("wb") as out:  # the daemon keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
 def base_env() -> dict[str, str]:

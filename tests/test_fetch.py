@@ -184,18 +184,19 @@ def test_daemon_fetches_a_missing_model_then_starts_the_engine(
         wait_answering(sock, proc, log)
         seen: list[dict[str, Any]] = []
         text = ""
-        deadline = time.monotonic() + 120
-        while True:
+
+        def fetched() -> bool:
+            nonlocal text
             engine = status(sock)["engine"]
             if engine["state"] != "fetching":
-                if seen:
-                    break
-            else:
-                seen.append(engine["fetch"])
-                if not text and engine["fetch"]["total"]:  # the size is known once the
-                    text = ctl(sock, "status").stdout      # child has listed the repo
-            assert time.monotonic() < deadline, (engine, log.read_text()[-3000:])
-            time.sleep(0.3)
+                return bool(seen)
+            seen.append(engine["fetch"])
+            if not text and engine["fetch"]["total"]:  # the size is known once the
+                text = ctl(sock, "status").stdout      # child has listed the repo
+            return False
+
+        wait_until(fetched, 120, "the fetch, seen and ended", every=0.3, gone=exited(proc),
+                   context=lambda: log.read_text()[-3000:])
         ready = wait_engine(sock, proc, log, "ready", timeout=60)
         notify.pump(0.5)
     finally:

@@ -61,10 +61,10 @@ socket = "{self.socket}"
 """)
         env = {k: v for k, v in os.environ.items()
                if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "chandrad", "run", "--config", str(self.config)],
-            stdout=self.log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env)
+        with self.log.open("wb") as out:  # the daemon keeps its own copy
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "chandrad", "run", "--config", str(self.config)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def ctl(self, *args: str) -> dict[str, Any]:
         result = subprocess.run(

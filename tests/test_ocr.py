@@ -1,8 +1,9 @@
 """Tests for chandrad.ocr against chandra-ocr's own client, prompts and post-processing.
 
-Chandra's vLLM client (``chandra.model.vllm.generate_vllm``) is run for real against a
-local HTTP server that speaks the OpenAI chat-completions protocol and records every
-request body; chandrad's request builder and retry schedule must match what it sent.
+Chandra's vLLM client (``chandra.model.vllm.generate_vllm``) is run for real against the
+stand-in engine process (tests/standin_engine.py), which speaks the OpenAI chat-completions
+protocol and records every request body; chandrad's request builder and retry schedule
+must match what it sent.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ from conftest import CORPUS_DIR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from standin_engine import StandinServer, standin_server
 
 from chandrad import errors
 from chandrad.ocr import (
@@ -35,53 +36,20 @@ from chandrad.ocr import (
 from chandrad.render import render_page
 
 
-class _Recorder(ThreadingHTTPServer):
-    answer = ""
-    bodies: list[dict[str, Any]]
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Recorder
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        length = int(self.headers["Content-Length"])
-        self.server.bodies.append(json.loads(self.rfile.read(length)))
-        reply = {
-            "id": "cmpl-1",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "chandra",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": self.server.answer},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-        }
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def openai_server() -> Iterator[_Recorder]:
-    server = _Recorder(("127.0.0.1", 0), _Handler)
-    server.bodies = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+def openai_server(tmp_path: Path) -> Iterator[StandinServer]:
+    """The stand-in engine process, recording every request body (its image included)."""
+    with standin_server(tmp_path / "engine", {"record_messages": True,
+                                              "default": {"content": ""}}) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
+
+
+def _bodies(server: StandinServer) -> list[dict[str, Any]]:
+    return [e["body"] for e in server.chats()]
+
+
+def _answer(server: StandinServer, content: str) -> None:
+    server.update(default={"content": content})
 
 
 @pytest.fixture(scope="module")
@@ -104,22 +72,21 @@ def _split_image(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return body, url
 
 
-def _run_chandra(server: _Recorder, image: Image.Image) -> None:
-    host, port = server.server_address[:2]
+def _run_chandra(server: StandinServer, image: Image.Image) -> None:
     generate_vllm(
         [BatchInputItem(image=image, prompt_type="ocr_layout")],
         max_output_tokens=12384,
         max_retries=6,
-        vllm_api_base=f"http://{host!s}:{port}/v1",
+        vllm_api_base=f"{server.url}/v1",
     )
 
 
-def test_request_matches_chandras_client(openai_server: _Recorder, page_png: bytes) -> None:
+def test_request_matches_chandras_client(openai_server: StandinServer, page_png: bytes) -> None:
     """The body equals what chandra's vLLM client sends for the same page, pixel for pixel."""
-    openai_server.answer = '<div data-bbox="0 0 10 10" data-label="Text"><p>ok</p></div>'
+    _answer(openai_server, '<div data-bbox="0 0 10 10" data-label="Text"><p>ok</p></div>')
     _run_chandra(openai_server, Image.open(io.BytesIO(page_png)))
-    assert len(openai_server.bodies) == 1
-    theirs, their_url = _split_image(openai_server.bodies[0])
+    assert len(_bodies(openai_server)) == 1
+    theirs, their_url = _split_image(_bodies(openai_server)[0])
     t0, p0 = sampling_for_attempt(0)
     ours, our_url = _split_image(
         build_chat_request(
@@ -136,14 +103,14 @@ def test_request_matches_chandras_client(openai_server: _Recorder, page_png: byt
     assert our_url == "data:image/png;base64," + base64.b64encode(page_png).decode()
 
 
-def test_unfitted_image_is_resized_like_chandra(openai_server: _Recorder) -> None:
+def test_unfitted_image_is_resized_like_chandra(openai_server: StandinServer) -> None:
     """A PNG that is not at scale_to_fit's size is resized exactly as chandra's client does."""
     big = Image.new("RGB", (3500, 2600), "white")
     big.paste((10, 20, 30), (100, 100, 900, 700))
     buf = io.BytesIO()
     big.save(buf, format="PNG")
     _run_chandra(openai_server, big)
-    _, their_url = _split_image(openai_server.bodies[0])
+    _, their_url = _split_image(_bodies(openai_server)[0])
     request = build_chat_request(
         buf.getvalue(),
         model="chandra",
@@ -158,11 +125,11 @@ def test_unfitted_image_is_resized_like_chandra(openai_server: _Recorder) -> Non
     assert (size, pixels) == _pixels(their_url)
 
 
-def test_retry_schedule_matches_chandra(openai_server: _Recorder, page_png: bytes) -> None:
+def test_retry_schedule_matches_chandra(openai_server: StandinServer, page_png: bytes) -> None:
     """Chandra's client, fed a repetition loop each time, retries with our schedule."""
-    openai_server.answer = "<div>" + "la " * 300
+    _answer(openai_server, "<div>" + "la " * 300)
     _run_chandra(openai_server, Image.open(io.BytesIO(page_png)))
-    sent = [(b["temperature"], b["top_p"]) for b in openai_server.bodies]
+    sent = [(b["temperature"], b["top_p"]) for b in _bodies(openai_server)]
     assert len(sent) == 7  # first try + MAX_VLLM_RETRIES
     ours = [sampling_for_attempt(i) for i in range(7)]
     for (t_sent, p_sent), (t_ours, p_ours) in zip(sent, ours, strict=True):

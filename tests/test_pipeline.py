@@ -1,32 +1,31 @@
 """The pipeline's own rules, on the real Pipeline, Store (SQLite), RenderPool (worker
 processes) and EngineSupervisor, with real files in real folders.
 
-The engine is the only stand-in, and only at the HTTP boundary: :class:`StandinEngine`
-is an OpenAI-compatible server (``/health``, ``/v1/models``, ``/metrics``,
-``/v1/chat/completions``) that the supervisor watches as a remote engine
-(``engine.url``). It answers per page (told apart by the page image's width) as each
-test needs: a layout, an error status, or slowly. These rules need no inference, and
-a stand-in makes the failures they guard against deterministic (issue 15).
+The engine is the only stand-in, and only at the process boundary: the stand-in engine
+process (tests/standin_engine.py, driven through :class:`StandinEngine`) serves
+``/health``, ``/v1/models``, ``/metrics`` and ``/v1/chat/completions``, and the supervisor
+watches it as a remote engine (``engine.url``). It answers per page (told apart by the
+page image's width) as each test needs: a layout, an error status, or slowly. These rules
+need no inference, and a stand-in makes the failures they guard against deterministic
+(issue 15).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
-import struct
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from PIL import Image, ImageDraw
+from standin_engine import StandinServer, standin_server
+from waiting import wait_until_async
 
 import chandrad.pipeline as pipeline_module
 from chandrad.config import Config, load_config
@@ -51,103 +50,51 @@ class Reply:
     content: str = '<div data-bbox="10 10 990 200" data-label="Text"><p>Stand-in page.</p></div>'
     raw: bytes | None = None  # a body that is not a chat completion
 
+    def scenario(self) -> dict[str, Any]:
+        """This reply in the stand-in engine's scenario (tests/standin_engine.py)."""
+        reply: dict[str, Any] = {"status": self.status, "delay_s": self.delay,
+                                 "content": self.content}
+        if self.raw is not None:
+            reply["raw"] = self.raw.decode()
+        return reply
 
-@dataclass
+
 class StandinEngine:
-    """An OpenAI-compatible HTTP server on a free port, in a thread."""
+    """The stand-in engine process, answering per page (told apart by the image's width)."""
 
-    replies: dict[int, Reply] = field(default_factory=dict)  # by page image width
-    default: Reply = field(default_factory=Reply)
-    requests: list[tuple[float, int]] = field(default_factory=list)  # (time, width)
-    server: ThreadingHTTPServer | None = None
-    held: int = 0  # chat requests being answered now
-    held_max: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, server: StandinServer) -> None:
+        self.server = server
 
     @property
     def url(self) -> str:
-        assert self.server is not None
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self.server.url
+
+    def reply(self, width: int, reply: Reply) -> None:
+        """How pages of this width are answered from the next request on."""
+        replies = {**self.server.scenario.get("replies", {}), f"width:{width}": reply.scenario()}
+        self.server.update(replies=replies)
+
+    def reply_default(self, reply: Reply) -> None:
+        """How the other pages are answered from the next request on."""
+        self.server.update(default=reply.scenario())
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The chat requests so far, at their arrival."""
+        return self.server.chats()
 
     def widths(self) -> list[int]:
-        return [w for _, w in self.requests]
+        return [int(e["width"]) for e in self.server.chats()]
 
-    def start(self) -> None:
-        standin = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                with contextlib.suppress(OSError):
-                    self.wfile.write(body)
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path == "/health":
-                    self._send(200, b"")
-                elif self.path == "/v1/models":
-                    self._send(200, json.dumps({"object": "list",
-                                                "data": [{"id": MODEL}]}).encode())
-                elif self.path == "/metrics":
-                    self._send(200, b"", "text/plain")
-                else:
-                    self._send(404, b"{}")
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                width = _png_width(body)
-                standin.requests.append((time.monotonic(), width))
-                reply = standin.replies.get(width, standin.default)
-                with standin._lock:
-                    standin.held += 1
-                    standin.held_max = max(standin.held_max, standin.held)
-                try:
-                    time.sleep(reply.delay)
-                finally:
-                    with standin._lock:
-                        standin.held -= 1
-                if reply.status != 200:
-                    self._send(reply.status, b'{"error": "stand-in failure"}')
-                    return
-                if reply.raw is not None:
-                    self._send(200, reply.raw)
-                    return
-                answer = {"id": "x", "object": "chat.completion", "model": MODEL,
-                          "choices": [{"index": 0, "finish_reason": "stop",
-                                       "message": {"role": "assistant",
-                                                   "content": reply.content}}]}
-                self._send(200, json.dumps(answer).encode())
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-
-
-def _png_width(body: dict[str, Any]) -> int:
-    for message in body.get("messages", []):
-        for part in message.get("content") or []:
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
-                return int(struct.unpack(">I", data[16:20])[0])
-    return 0
+    def held_max(self) -> int:
+        """The most chat requests the engine held at once."""
+        return max((int(e["running"]) for e in self.server.chats()), default=0)
 
 
 @pytest.fixture
-def standin() -> Iterator[StandinEngine]:
-    engine = StandinEngine()
-    engine.start()
-    yield engine
-    engine.stop()
+def standin(tmp_path: Path) -> Iterator[StandinEngine]:
+    with standin_server(tmp_path / "standin-engine", {"default": Reply().scenario()},
+                        served=MODEL) as server:
+        yield StandinEngine(server)
 
 
 def make_image(path: Path, width: int = 1120, height: int = 1400, text: str = "page") -> Path:
@@ -241,13 +188,11 @@ class Running:
 
     async def wait(self, what: str, predicate: Callable[[], bool],
                    timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                jobs = [(j.id, j.state.value, j.error_code, j.error_message)
-                        for j in self.store.list_jobs()]
-                raise AssertionError(f"timed out waiting for {what}; jobs: {jobs}")
-            await asyncio.sleep(0.1)
+        def jobs() -> str:
+            return "jobs: " + repr([(j.id, j.state.value, j.error_code, j.error_message)
+                                    for j in self.store.list_jobs()])
+
+        await wait_until_async(predicate, timeout, what, every=0.1, context=jobs)
 
     async def wait_finished(self, job_id: int, timeout: float = 60.0) -> Job:
         await self.wait(f"job {job_id} to finish",
@@ -425,7 +370,7 @@ def test_poison_page_ends_instead_of_retrying_forever(tmp_path: Path, standin: S
     finish. Its sibling page is done."""
     w = folders(tmp_path, "w")
     config = write_config(tmp_path, standin, [w], request_timeout=1.0)
-    standin.replies[1148] = failure  # page 2 of 2 is poison
+    standin.reply(1148, failure)  # page 2 of 2 is poison
     make_tiff(w.input / "two.tif", [1120, 1148])
 
     async def body() -> None:
@@ -500,7 +445,7 @@ def test_file_replaced_while_running_is_not_moved_with_old_results(
     from its own bytes."""
     w = folders(tmp_path, "w")
     config = write_config(tmp_path, standin, [w])
-    standin.replies[1120] = Reply(delay=3.0)  # version one is slow at the engine
+    standin.reply(1120, Reply(delay=3.0))  # version one is slow at the engine
     doc = make_image(w.input / "doc.png", width=1120, text="version one")
 
     async def body() -> None:
@@ -581,7 +526,7 @@ def test_crash_after_moving_input_to_done_completes_at_restart(
             assert done.state is JobState.DONE, (done.error_code, done.error_message)
             assert done.final_path == moved
             assert "Stand-in page." in (w.output / "doc" / "doc.md").read_text()
-            assert standin.requests == []
+            assert standin.requests() == []
 
     run_async(body)
 
@@ -657,7 +602,7 @@ def test_post_processing_timeout_fails_the_page_not_the_job(tmp_path: Path,
     config = write_config(tmp_path, standin, [w])
     # ~27 s of post-processing on the machine that wrote this (12,000 blocks took 4.5 s):
     # over the 8 s limit with a wide margin on a faster one.
-    standin.replies[1148] = Reply(content=_big_layout(60000))
+    standin.reply(1148, Reply(content=_big_layout(60000)))
     make_tiff(w.input / "two.tif", [1120, 1148])
 
     async def body() -> None:
@@ -680,8 +625,8 @@ def test_a_failing_page_cancels_its_siblings(tmp_path: Path, standin: StandinEng
     back, not completed for a job already failed."""
     w = folders(tmp_path, "w")
     config = write_config(tmp_path, standin, [w])
-    standin.replies[1120] = Reply(raw=b'{"choices": 5}')
-    standin.replies[1148] = Reply(delay=4.0)
+    standin.reply(1120, Reply(raw=b'{"choices": 5}'))
+    standin.reply(1148, Reply(delay=4.0))
     make_tiff(w.input / "two.tif", [1148, 1120])
 
     async def body() -> None:
@@ -712,7 +657,7 @@ def test_one_page_files_keep_the_engine_batch_full(tmp_path: Path,
     watch = folders(tmp_path, "w")
     config = write_config(tmp_path, standin, [watch],
                           engine_lines=f"[engine.memory]\nmax_num_seqs = {seqs}\n")
-    standin.default = Reply(delay=2.0)
+    standin.reply_default(Reply(delay=2.0))
     files = [make_image(watch.input / f"p{i:02d}.png", text=f"page {i}") for i in range(40)]
 
     async def body() -> None:
@@ -723,4 +668,4 @@ def test_one_page_files_keep_the_engine_batch_full(tmp_path: Path,
                 assert (await run.wait_finished(job.id, timeout=120)).state is JobState.DONE
 
     run_async(body)
-    assert standin.held_max >= seqs, (standin.held_max, seqs)
+    assert standin.held_max() >= seqs, (standin.held_max(), seqs)

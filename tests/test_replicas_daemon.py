@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from standin_engine import events, write_standin
 from test_daemon_service import ctl, wait_answering
 from test_supervision import daemon_config, start_daemon, status
+from waiting import exited, wait_until
 
 from chandrad.errors import CtlExit
 
@@ -37,14 +37,15 @@ def port_pair(free_port: Callable[[], int]) -> int:
 
 def wait_engines(sock: Path, until: Callable[[list[dict[str, Any]]], bool], proc: Any,
                  log: Path, timeout: float = 60) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        engines: list[dict[str, Any]] = status(sock)["engines"]
-        if until(engines):
-            return engines
-        assert time.monotonic() < deadline, (engines, log.read_text()[-3000:])
-        time.sleep(0.3)
+    engines: list[dict[str, Any]] = []
+
+    def done() -> bool:
+        engines[:] = status(sock)["engines"]
+        return until(engines)
+
+    wait_until(done, timeout, "the engines' states", every=0.3, gone=exited(proc),
+               context=lambda: log.read_text()[-3000:])
+    return engines
 
 
 def spawns_on(folder: Path, port: int) -> list[dict[str, Any]]:

@@ -1,32 +1,27 @@
 """Sampling as Chandra does it, through the real daemon (issue 10).
 
-The engine is a stand-in HTTP server that speaks vLLM's OpenAI protocol the way vLLM
-0.11-0.17 does (``/health``, ``/v1/models`` with ``max_model_len``, chat completions
-that answer 400 when ``max_tokens`` does not fit after the prompt, MinerU#4868), with
-answers scripted per page by the page's colour: a repetition loop, a cut by
-``length``, a request error. Everything else is the real daemon (``engine.url``),
-real rendering, the real store and outputs. The same contract on the real CPU engine
-is in ``test_sampling_engine.py``.
+The engine is the stand-in engine process (tests/standin_engine.py), speaking vLLM's OpenAI
+protocol the way vLLM 0.11-0.17 does (``/health``, ``/v1/models`` with ``max_model_len``,
+chat completions that answer 400 when ``max_tokens`` does not fit after the prompt,
+MinerU#4868), with answers scripted per page by the page's colour: a repetition loop, a cut
+by ``length``, a request error. Everything else is the real daemon (``engine.url``), real
+rendering, the real store and outputs. The same contract on the real CPU engine is in
+``test_sampling_engine.py``.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import math
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 from PIL import Image
+from standin_engine import StandinServer, standin_server
 from waiting import exited, wait_until
 
 MAX_MODEL_LEN = 13000
@@ -51,86 +46,33 @@ NAMES = {(255, 0, 0): "cut", (0, 255, 0): "loop", (0, 0, 255): "error",
 LONG_PROMPT = 12000
 
 
-class StandInEngine(ThreadingHTTPServer):
-    requests: list[dict[str, Any]]
-    served: dict[tuple[int, int, int], int]
+def _reply(text: str, finish: str) -> dict[str, Any]:
+    if text == "400":
+        return {"status": 400, "message": "simulated: the image could not be processed"}
+    return {"content": text, "finish_reason": finish}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: StandInEngine
+#: The stand-in engine's scenario (tests/standin_engine.py): vLLM's length check and
+#: tokenizer estimate, and the answers per page colour.
+SCENARIO = {
+    "max_model_len": MAX_MODEL_LEN, "prompt_text_tokens": PROMPT_TEXT_TOKENS,
+    "prompt_tokens": {"colour:255,0,255": LONG_PROMPT},
+    "replies": {"colour:" + ",".join(map(str, colour)): [_reply(*r) for r in script]
+                for colour, script in SCRIPTS.items()},
+}
 
-    def log_message(self, format: str, *args: Any) -> None:
-        del format, args
 
-    def _json(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            self._json(200, {})
-        elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [
-                {"id": "chandra", "object": "model", "max_model_len": MAX_MODEL_LEN}]})
-        elif self.path == "/metrics":
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-        else:
-            self._json(404, {})
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        url = body["messages"][0]["content"][0]["image_url"]["url"]
-        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
-        colour = image.convert("RGB").getpixel((image.width // 2, image.height // 2))
-        assert isinstance(colour, tuple)
-        key = (int(colour[0]), int(colour[1]), int(colour[2]))
-        prompt = PROMPT_TEXT_TOKENS + math.ceil(image.width / 32) * math.ceil(image.height / 32)
-        if NAMES.get(key) == "long":
-            prompt = LONG_PROMPT
-        self.server.requests.append({**{k: v for k, v in body.items() if k != "messages"},
-                                     "page": NAMES.get(key, str(key)), "at": time.monotonic(),
-                                     "prompt_tokens": prompt})
-        max_tokens = body.get("max_tokens")
-        if max_tokens is not None and max_tokens + prompt > MAX_MODEL_LEN:
-            # vLLM 0.11-0.17's answer (serving_chat.py), as MinerU#4868 quotes it.
-            self._json(400, {"object": "error", "type": "BadRequestError", "code": 400,
-                             "message": f"'max_tokens' or 'max_completion_tokens' is too large: "
-                             f"{max_tokens}. This model's maximum context length is "
-                             f"{MAX_MODEL_LEN} tokens and your request has {prompt} input "
-                             f"tokens ({max_tokens} > {MAX_MODEL_LEN} - {prompt})."})
-            return
-        script = SCRIPTS[key]
-        n = self.server.served.get(key, 0)
-        self.server.served[key] = n + 1
-        text, finish = script[min(n, len(script) - 1)]
-        if text == "400":
-            self._json(400, {"object": "error", "type": "BadRequestError", "code": 400,
-                             "message": "simulated: the image could not be processed"})
-            return
-        self._json(200, {
-            "id": "cmpl-1", "object": "chat.completion", "model": "chandra",
-            "choices": [{"index": 0, "finish_reason": finish,
-                         "message": {"role": "assistant", "content": text.format(n=n)}}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": 10,
-                      "total_tokens": prompt + 10}})
+def sent_requests(engine: StandinServer) -> list[dict[str, Any]]:
+    """What the daemon asked the engine, in order: the sampling parameters, the page (by
+    colour), the arrival time and the prompt's length."""
+    return [{**e["body"], "page": NAMES.get(tuple(e["colour"]), str(e["colour"])),
+             "at": e["t"], "prompt_tokens": e["prompt_tokens"]} for e in engine.chats()]
 
 
 @pytest.fixture()
-def engine() -> Iterator[StandInEngine]:
-    server = StandInEngine(("127.0.0.1", 0), _Handler)
-    server.requests = []
-    server.served = {}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+def engine(tmp_path: Path) -> Iterator[StandinServer]:
+    with standin_server(tmp_path / "standin-engine", SCENARIO) as server:
+        yield server
 
 
 def _run_daemon(root: Path, port: int, free_port: Callable[[], int]) -> subprocess.Popen[bytes]:
@@ -158,10 +100,10 @@ url = "http://127.0.0.1:{port}"
 socket = "{root / 'control.sock'}"
 """, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
-    log = (root / "daemon.log").open("ab")
-    return subprocess.Popen([sys.executable, "-m", "chandrad", "run", "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env)
+    with (root / "daemon.log").open("ab") as log:  # the child keeps its own copy
+        return subprocess.Popen([sys.executable, "-m", "chandrad", "run", "--config",
+                                 str(config)], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
 
 
 def _wait_outputs(root: Path, stems: list[str], proc: subprocess.Popen[bytes],
@@ -173,14 +115,14 @@ def _wait_outputs(root: Path, stems: list[str], proc: subprocess.Popen[bytes],
 
 
 def test_pages_are_sampled_and_retried_as_chandra_does(
-    tmp_path: Path, engine: StandInEngine, free_port: Callable[[], int]
+    tmp_path: Path, engine: StandinServer, free_port: Callable[[], int]
 ) -> None:
     """length → kept + truncated, 1 attempt; loop → retried at Chandra's temperatures;
     request error → retried after Chandra's pause; loops to the end → failed with the real
     attempt count; no request is rejected for max_tokens."""
     inbox = tmp_path / "inbox"
     inbox.mkdir()
-    proc = _run_daemon(tmp_path, engine.server_address[1], free_port)
+    proc = _run_daemon(tmp_path, engine.port, free_port)
     try:
         for colour, name in NAMES.items():
             Image.new("RGB", (640, 800), colour).save(tmp_path / f"{name}.png")
@@ -201,11 +143,12 @@ def test_pages_are_sampled_and_retried_as_chandra_does(
         return out
 
     def sent(stem: str) -> list[dict[str, Any]]:
-        return [r for r in engine.requests if r["page"] == stem]
+        return [r for r in requests if r["page"] == stem]
 
     # Every request fits, but one: the "long" page's prompt is far above the estimate; the
     # engine's 400 names its length and the second request asks for exactly what is left.
-    rejected = [r for r in engine.requests
+    requests = sent_requests(engine)
+    rejected = [r for r in requests
                 if r["max_tokens"] + r["prompt_tokens"] > MAX_MODEL_LEN]
     assert [r["page"] for r in rejected] == ["long"], rejected
     assert [r["max_tokens"] for r in sent("long")][1:] == [MAX_MODEL_LEN - LONG_PROMPT]

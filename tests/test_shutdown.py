@@ -1,6 +1,6 @@
 """Shutdown with deadlines, the uvicorn way, on a real ``chandrad run`` process.
 
-The engine is the stand-in engine process (``faults/standin_engine.py``): what matters here is
+The engine is the stand-in engine process (``tests/standin_engine.py``): what matters here is
 the daemon's own shutdown, not vLLM. Each test checks one promise:
 
 * SIGTERM ends the daemon promptly even when a job waits for an engine that never becomes

@@ -168,10 +168,11 @@ def daemon_config(root: Path, python: Path, port: int, extra: str = "",
 
 def start_daemon(config: Path, log: Path, env: dict[str, str] | None = None
                  ) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=env or base_env())
+    with log.open("ab") as out:  # the daemon keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env or base_env())
 
 
 def status(sock: Path) -> dict[str, Any]:
@@ -298,14 +299,17 @@ def test_reload_with_engine_change_keeps_the_watchdog_fed(
     received: list[tuple[float, bytes]] = []
 
     def pump(until: Callable[[], bool], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not until():
-            assert time.monotonic() < deadline, (received[-10:], log.read_text()[-3000:])
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
+        def step() -> bool:
+            if until():
+                return True
+            try:  # the socket's timeout paces the loop
                 received.append((time.monotonic(), notify.recv(1 << 16)))
             except TimeoutError:
                 pass
+            return False
+
+        wait_until(step, timeout, "the notify messages", every=0, gone=exited(proc),
+                   context=lambda: f"{received[-10:]}\n{log.read_text()[-3000:]}")
 
     try:
         pump(lambda: any(b"READY=1" in m for _, m in received), 60)
@@ -391,7 +395,7 @@ def test_server_that_takes_the_port_after_the_spawn_is_not_our_engine(
     engine's processes, so this is port_in_use, not ready."""
     port = free_port()
     folder = tmp_path / "engine"
-    python = write_standin(folder, {"listen_delay": 3})
+    python = write_standin(folder, {"startup_s": 3})
     sup = EngineSupervisor(engine_config(python, port), OCR, gpu=GpuStandIn())
     seen: set[EngineState] = set()
     others: list[subprocess.Popen[bytes]] = []

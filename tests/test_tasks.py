@@ -130,14 +130,16 @@ def test_a_task_that_stays_dead_stops_the_watchdog(
         tasks.start("watchdog", pinger.run)
         tasks.start("dispatch", always_fails)
         dead_at = 0.0
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+
+        def dead_a_while() -> bool:
+            nonlocal dead_at
             pinger.progress()  # the main loop is fine
             if not dead_at and not tasks.healthy():
                 dead_at = time.monotonic()
-            if dead_at and time.monotonic() - dead_at > 0.6:
-                break
-            await asyncio.sleep(0.01)
+            return bool(dead_at) and time.monotonic() - dead_at > 0.6
+
+        await wait_until_async(dead_a_while, 5, "the failing task given up, and 0.6 s more",
+                               every=0.01)
         await tasks.stop()
         return dead_at, tasks
 

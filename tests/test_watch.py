@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import CORPUS_DIR
+from waiting import wait_until_async
 
 from chandrad.config import WatchConfig
 from chandrad.watch import (
@@ -61,11 +62,8 @@ class Seen:
         return [s.path.name for _, s in self.items]
 
     async def wait(self, pred: Callable[[], bool], timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; seen so far: {self.names}")
-            await asyncio.sleep(0.02)
+        await wait_until_async(pred, timeout, "the watcher's files", every=0.02,
+                               context=lambda: f"seen so far: {self.names}")
 
 
 @asynccontextmanager
@@ -378,15 +376,9 @@ def test_callback_errors_do_not_stop_the_watcher(tmp_path: Path) -> None:
         await watcher.start()
         task = asyncio.create_task(watcher.run())
         shutil.copy(PDF, cfg.input / "a.pdf")
-        for _ in range(100):
-            if seen:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: seen, 5, "a.pdf seen", every=0.05)
         shutil.copy(PDF, cfg.input / "b.pdf")
-        for _ in range(100):
-            if len(seen) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: len(seen) == 2, 5, "b.pdf seen", every=0.05)
         watcher.stop()
         await asyncio.wait_for(task, 5)
         assert seen == ["a.pdf", "b.pdf"]

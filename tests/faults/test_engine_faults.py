@@ -2,7 +2,7 @@
 that never becomes ready, an engine that dies or hangs during shutdown.
 
 vLLM's own code is not the point here, its behaviour at the process boundary is: the engine
-is the stand-in process (``standin_engine.py``), started by chandrad through
+is the stand-in process (``tests/standin_engine.py``), started by chandrad through
 ``engine.command`` in its own session, printing vLLM's lines and serving its endpoints.
 One daemon serves the module's tests in order; the shutdown tests end it. Every test
 proves 0 files lost and 0 pages done twice from the store and the outputs, and appends

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from waiting import wait_until
 
 CHILD = """
 import asyncio, os, signal, sys
@@ -42,12 +43,15 @@ def test_workers_spawned_just_before_the_daemon_dies_exit(tmp_path: Path,
                             capture_output=True, text=True, timeout=120)
     pids = [int(p) for p in result.stdout.split()]
     assert pids, result.stderr
-    deadline = time.monotonic() + 60
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if Path(f"/proc/{p}").exists()
-                 and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
-        time.sleep(0.5)
-    for pid in alive:  # never leave them behind, whatever the verdict
-        os.kill(pid, 9)
-    assert not alive, f"render workers outlived their killed parent: {alive}"
+    alive = list(pids)
+
+    def all_gone() -> bool:
+        alive[:] = [p for p in pids if Path(f"/proc/{p}").exists()
+                    and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
+        return not alive
+
+    try:
+        wait_until(all_gone, 60, "render workers gone with their killed parent", every=0.5)
+    finally:
+        for pid in alive:  # never leave them behind, whatever the verdict
+            os.kill(pid, 9)
