@@ -173,14 +173,7 @@ def _config_path(args: argparse.Namespace) -> Path:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = config.load_config(_config_path(args))
-    try:
-        daemon = importlib.import_module("chandrad.daemon")
-    except ModuleNotFoundError as exc:
-        if exc.name != "chandrad.daemon":
-            raise
-        print("chandrad: this build has no daemon (chandrad/daemon.py is missing)",
-              file=sys.stderr)
-        return errors.ExitCode.SOFTWARE
+    daemon = importlib.import_module("chandrad.daemon")  # only `run` needs the daemon's wiring
     return int(daemon.run(cfg))
 
 

@@ -1,7 +1,7 @@
 """Protocols for the seams between services (no implementations).
 
 ``pipeline`` sees the engine only as an :class:`EngineHandle`; ``control.handlers``
-sees the daemon only as :class:`DaemonControl`. ``daemon.py`` is the one place
+sees the daemon only as :class:`DaemonControl`. The ``daemon`` package is the one place
 that wires concrete objects to these.
 """
 

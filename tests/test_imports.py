@@ -47,7 +47,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.engine.generation", "chandrad.engine.dispatch", "chandrad.pipeline",
                 "chandrad.batch",
                 "chandrad.control.server", "chandrad.control.handlers"),
-    "daemon": ("chandrad.daemon",),
+    "daemon": ("chandrad.daemon", "chandrad.daemon.core", "chandrad.daemon.queue",
+               "chandrad.daemon.wiring", "chandrad.daemon.report", "chandrad.daemon.controls",
+               "chandrad.daemon.reload", "chandrad.daemon.shutdown"),
     "entry": ("chandrad.cli", "chandrad.batch_view", "chandrad.__main__", "chandrad.ctl.main",
               "chandrad.ctl.client",
               "chandrad.ctl.diagnose", "chandrad.ctl.journal", "chandrad.ctl.render",
@@ -91,15 +93,16 @@ def _chandrad_imports(path: Path) -> set[str]:
 
 
 def _may_import(importer: str, imported: str) -> bool:
-    """Down the map; sideways only within the pure and entry layers, and within one service
-    package (``control.server`` -> ``control.handlers``). Adapters own one outside resource
-    each and import no other adapter; services meet each other only through the daemon."""
+    """Down the map; sideways only within the pure, daemon and entry layers, and within one
+    service package (``control.server`` -> ``control.handlers``). Adapters own one outside
+    resource each and import no other adapter; services meet each other only through the
+    daemon (one package, whose modules wire the parts together)."""
     a, b = LAYER_OF[importer], LAYER_OF[imported]
     if RANK[b] < RANK[a]:
         return True
     if a != b:
         return False
-    if a in ("pure", "entry"):
+    if a in ("pure", "daemon", "entry"):
         return True
     if a == "service":
         return importer.rsplit(".", 1)[0] == imported.rsplit(".", 1)[0] != "chandrad"

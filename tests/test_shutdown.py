@@ -192,5 +192,5 @@ def test_illegal_daemon_state_edge_raises(tmp_path: Path) -> None:
     d = Daemon(tmp_path, standin_engine(tmp_path, port=free_port()))
     daemon = RealDaemon(load_config(d.config))
     with pytest.raises(InternalError, match="starting -> drained"):
-        daemon._set_state(DaemonState.DRAINED, "test")
+        daemon.set_state(DaemonState.DRAINED, "test")
     assert daemon.state is DaemonState.STARTING

@@ -1,0 +1,61 @@
+"""The daemon's one command queue (gunicorn's arbiter: signal handlers only enqueue).
+
+Signals, ``chandractl reload`` and an engine gone fatal with ``engine.exit_on_fatal`` put a
+``DaemonCommand`` here; only the main loop (and, while it drains, the SIGTERM drain) takes
+them. A command may carry a future that the one who asked waits on: it is always answered,
+with the result or with the refusal of a stopping daemon, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from chandrad.errors import ControlError
+from chandrad.states import DaemonCommand
+
+
+@dataclass
+class Command:
+    """One queued command and, when somebody waits for its result, the future to answer."""
+
+    name: DaemonCommand
+    done: asyncio.Future[dict[str, Any]] | None = None
+
+    def answer(self, result: dict[str, Any]) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(exc)
+
+    def refuse(self, what: str) -> None:
+        """Answer a command that arrives while the daemon stops: refused, never dropped."""
+        self.fail(stopping_refusal(what))
+
+
+def stopping_refusal(what: str) -> ControlError:
+    """The one answer to a request a stopping daemon no longer carries out."""
+    return ControlError("invalid_state", f"daemon is stopping: {what} refused")
+
+
+class CommandQueue:
+    """FIFO of :class:`Command`; safe to feed from a signal handler (``put`` never blocks)."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Command] = asyncio.Queue()
+
+    def put(self, name: DaemonCommand,
+            done: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        self._queue.put_nowait(Command(name, done))
+
+    async def next(self, tick: float) -> Command | None:
+        """The next queued command, or None after ``tick`` seconds."""
+        try:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel.
+            async with asyncio.timeout(tick):
+                return await self._queue.get()
+        except TimeoutError:
+            return None

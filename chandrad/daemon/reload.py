@@ -1,0 +1,223 @@
+"""Reload: re-read the config and apply it to the running daemon, or refuse it.
+
+One reload at a time, as a task beside the main loop (its flag check can take minutes; the
+loop keeps ticking and feeding systemd's watchdog meanwhile, issue 16 #5); requests that
+arrive during one wait in order. An invalid config is refused and the old one stays.
+``reload --wait`` returns once every engine restarted with new settings is ready, or fails
+after one engine stop + one start + :data:`RELOAD_WAIT_SLACK_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from chandrad.config import Config, engine_settings_changed, load_config
+from chandrad.daemon.queue import Command
+from chandrad.daemon.wiring import plan_engines
+from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.errors import ConfigError, ConfigProblem, ControlError
+from chandrad.events import Event
+from chandrad.logs import configure_logging
+from chandrad.states import DAEMON_TRANSITIONS, DaemonCommand, DaemonState, EngineState
+
+if TYPE_CHECKING:
+    from chandrad.daemon.core import Daemon
+
+log = structlog.get_logger("chandrad.daemon")
+
+#: ``reload --wait`` waits one engine stop + one start + this for the new engine.
+RELOAD_WAIT_SLACK_S = 10.0
+
+#: The states a waiting reload may start in; starting or stopping, it waits (and is
+#: refused by the shutdown).
+_CAN_RELOAD = (DaemonState.RUNNING, DaemonState.PAUSED, DaemonState.DRAINING,
+               DaemonState.DRAINED)
+
+
+class Reloader:
+    """Owns the reload task, the reloads waiting for it and the phase shown in ``status``."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._task: asyncio.Task[None] | None = None
+        self._waiting: list[Command] = []
+        #: What the running reload waits for, for the status line ("" when none does).
+        self.phase = ""
+
+    def request(self, command: Command) -> None:
+        """Queue a reload the main loop took off the command queue."""
+        self._waiting.append(command)
+        self.next()
+
+    def next(self) -> None:
+        """Start the next waiting reload as a task unless one is running.
+
+        Not awaited by the main loop, so the loop keeps ticking (and pinging systemd's
+        watchdog) while the reload waits for vLLM's flag check (issue 16 #5).
+        """
+        if not self._waiting or (self._task is not None and not self._task.done()):
+            return
+        if self.daemon.state not in _CAN_RELOAD:
+            return
+        command = self._waiting.pop(0)
+        self._task = asyncio.create_task(self._run(command), name="reload")
+
+    def raise_if_crashed(self) -> None:
+        """The reload task is one-shot, not supervised: its crash is a bug and ends the
+        daemon (exit 70)."""
+        task = self._task
+        if task is not None and task.done() and not task.cancelled():
+            exc = task.exception()
+            if exc is not None:
+                raise exc
+
+    async def cancel(self) -> None:
+        """The daemon stops: refuse the waiting reloads and cancel the running one."""
+        task, self._task = self._task, None
+        for waiting in self._waiting:
+            waiting.refuse("reload")
+        self._waiting.clear()
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def wait_timeout(self) -> float:
+        """How long ``reload --wait`` waits for the restarted engine to become ready."""
+        engine = self.daemon.config.engine
+        return engine.stop_timeout + engine.startup_timeout + RELOAD_WAIT_SLACK_S
+
+    async def requested(self, wait: bool) -> dict[str, Any]:
+        """``chandractl reload [--wait]``: queue a reload; with ``wait``, its result once
+        the engines it restarted are ready (or gave up)."""
+        daemon = self.daemon
+        if not wait:
+            daemon.queue.put(DaemonCommand.RELOAD)
+            return {"queued": True}
+        assert daemon.engine is not None
+        generations = {e.engine_id: e.generation for e in daemon.engines}
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        daemon.queue.put(DaemonCommand.RELOAD, fut)
+        result = await fut
+        if result.get("engine_restart"):
+            restarted = set(result.get("engines_restarted") or ())
+
+            def settled(e: EngineSupervisor) -> bool:
+                return e.generation != generations[e.engine_id] and e.state in (
+                    EngineState.READY, EngineState.FATAL)
+            limit = self.wait_timeout()
+            try:
+                async with asyncio.timeout(limit):
+                    while not all(settled(e) for e in daemon.engines if e.engine_id in restarted):
+                        await asyncio.sleep(0.5)
+            except TimeoutError:
+                raise ControlError(
+                    "timeout", f"config reloaded, but the new engine is not ready after "
+                    f"{limit:g} s (engine.stop_timeout + engine.startup_timeout + "
+                    f"{RELOAD_WAIT_SLACK_S:g} s); it is {daemon.engine.state.value}: see "
+                    "chandractl status") from None
+            result["engine_state"] = daemon.engine.state.value
+        return result
+
+    async def _run(self, command: Command) -> None:
+        """Run a reload; a refused one leaves the daemon running on the old config."""
+        try:
+            result = await self._apply()
+        except ControlError as exc:
+            command.fail(exc)
+            return
+        except BaseException as exc:
+            command.fail(ControlError("internal_error", f"reload failed: {exc!r}"))
+            raise
+        finally:
+            self.phase = ""
+        command.answer(result)
+
+    def _end(self, previous: DaemonState, reason: str) -> None:
+        """Back to the state the reload came from (a drain kept its own state meanwhile)."""
+        if self.daemon.state is DaemonState.RELOADING:
+            self.daemon.set_state(previous, reason)
+
+    def _refuse(self, previous: DaemonState, problems: list[str], message: str) -> ControlError:
+        """Log the refusal, go back to the previous state; the error to answer with."""
+        log.error(Event.CONFIG_RELOAD_REFUSED, problems=problems)
+        self._end(previous, "reload refused")
+        self.daemon.notifier.ready(self.daemon.status_line())
+        return ControlError("invalid_state", "new config refused, old one kept:\n" + message)
+
+    async def _apply(self) -> dict[str, Any]:
+        """Re-read the config; an invalid one is refused and the old one stays."""
+        daemon = self.daemon
+        assert daemon.engine is not None and daemon.pipeline is not None
+        previous = daemon.state
+        # A drain is not interrupted by a reload: the state stays draining/drained.
+        shown = DaemonState.RELOADING if DaemonState.RELOADING in DAEMON_TRANSITIONS[previous] \
+            else previous
+        daemon.set_state(shown, "reload requested")
+        daemon.notifier.reloading()
+        try:
+            new = load_config(daemon.config.path)
+        except ConfigError as exc:
+            raise self._refuse(previous, [str(p) for p in exc.problems],
+                               exc.message) from exc
+        problems: list[ConfigProblem] = []
+        try:
+            specs = plan_engines(new)
+        except ConfigError as exc:
+            problems = list(exc.problems)
+            specs = []
+        if not problems and engine_settings_changed(daemon.config, new) and new.engine.supervised:
+            self.phase = "checking the new engine flags with vLLM's parser"
+            daemon.notify_status()
+            problems = await daemon.engine.check_flags(specs[0].engine)
+            self.phase = ""
+        if problems:
+            raise self._refuse(previous, [str(p) for p in problems],
+                               "\n".join(str(p) for p in problems))
+        new, restart_needed = keep_start_only_settings(daemon.config, new)
+        if len(specs) != len(daemon.engines):
+            # Engines are added or removed only at start: each has its own task, session
+            # file and port, and the pipeline holds pages on them.
+            restart_needed.append("engine.replicas")
+        if restart_needed:
+            log.warning("config_reload_partial", restart_needed=restart_needed)
+        if new.daemon != daemon.config.daemon:
+            configure_logging(new.daemon.log_format, new.daemon.log_level)
+        restarted = [engine.engine_id
+                     for engine, spec in zip(daemon.engines, specs, strict=False)
+                     if await engine.reconfigure(spec.engine, new.ocr)]
+        restart = bool(restarted)
+        watches_changed = new.watch != daemon.config.watch
+        daemon.config = new
+        daemon.pipeline.config = new
+        if watches_changed:
+            await daemon.restart_watcher()
+        self._end(previous, "reloaded")
+        daemon.notifier.ready(daemon.status_line())
+        log.info(Event.CONFIG_RELOADED, engine_restart=restart, watches_changed=watches_changed)
+        return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed,
+                "restart_needed": restart_needed, "engines_restarted": restarted}
+
+
+def keep_start_only_settings(running: Config, new: Config) -> tuple[Config, list[str]]:
+    """``new`` with the settings a reload cannot apply kept as they run, and their keys.
+
+    The store (``daemon.state_dir``) and the control socket are opened once, at start;
+    changing them under a running daemon would orphan its queue or its clients.
+    """
+    changed = [key for key, old, now in (
+        ("daemon.state_dir", running.daemon.state_dir, new.daemon.state_dir),
+        ("control.socket", running.control_socket(), new.control_socket()),
+        ("control.group", running.control.group, new.control.group),
+        ("control.mode", running.control.mode, new.control.mode),
+        ("metrics.listen", running.metrics.listen, new.metrics.listen),
+    ) if old != now]
+    kept = dataclasses.replace(
+        new, control=running.control, metrics=running.metrics,
+        daemon=dataclasses.replace(new.daemon, state_dir=running.daemon.state_dir))
+    return kept, changed
