@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from chandra.prompts import PROMPT_MAPPING
 
@@ -254,29 +254,49 @@ def _encode_crop(name: str, image: Image.Image) -> bytes:
 
 class _LazyPage:
     """The page as ``chandra.output`` uses it: ``parse_chunks`` reads only ``.size`` and
-    ``extract_images`` only calls ``.crop``; the PNG is decoded (to RGB, as Chandra's own
-    page images are) on the first crop, so a page without figures is never decoded."""
+    ``extract_images`` only calls ``.crop``; the PNG is inflated on the first crop, so a
+    page without figures is never decoded.
+
+    A crop is what ``Image.crop`` of the page converted to RGB (as Chandra's own page
+    images are) gives, pixel for pixel, but copies only the crop's rows out of the
+    inflated PNG (converting a pixel to RGB does not depend on its neighbours, so
+    cropping first is the same). A box reaching outside the page (Pillow fills with
+    black) takes the whole-page path.
+    """
 
     def __init__(self, page_png: bytes) -> None:
         self.size = _png_size(page_png)
         self._png: bytes | None = page_png
+        self._ours: tuple[str, int, int, memoryview, int] | None = None
         self._rgb: Image.Image | None = None
 
     def crop(self, box: Any) -> Image.Image:
-        if self._rgb is None:
-            from PIL import Image
+        from PIL import Image
 
-            assert self._png is not None
-            ours = png.decode(self._png)
-            if ours is not None:  # a page chandrad rendered: one inflate, no copy
-                mode, width, height, pixels, stride = ours
-                img = Image.frombuffer(mode, (width, height), cast(Any, pixels), "raw",
-                                       mode, stride, 1)
-            else:
-                img = Image.open(io.BytesIO(self._png))
-            with img:
-                self._rgb = img.convert("RGB")
+        if self._png is not None:
+            self._ours = png.decode(self._png)
+            if self._ours is None:  # not a PNG chandrad wrote
+                with Image.open(io.BytesIO(self._png)) as img:
+                    self._rgb = img.convert("RGB")
             self._png = None
+        if self._ours is not None and self._rgb is None:
+            mode, width, height, pixels, stride = self._ours
+            # Image.crop's own checks and rounding.
+            if box[2] < box[0]:
+                raise ValueError("Coordinate 'right' is less than 'left'")
+            if box[3] < box[1]:
+                raise ValueError("Coordinate 'lower' is less than 'upper'")
+            x0, y0, x1, y1 = (int(round(v)) for v in box)
+            if 0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height:
+                channels = len(mode)
+                start = y0 * stride + x0 * channels
+                end = (y1 - 1) * stride + x1 * channels
+                crop = Image.frombytes(mode, (x1 - x0, y1 - y0), pixels[start:end], "raw",
+                                       mode, stride, 1)
+                return crop if mode == "RGB" else crop.convert("RGB")
+            page = Image.frombytes(mode, (width, height), pixels, "raw", mode, stride, 1)
+            self._rgb = page if mode == "RGB" else page.convert("RGB")
+        assert self._rgb is not None
         return self._rgb.crop(box)
 
 

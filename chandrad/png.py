@@ -85,8 +85,7 @@ def decode(data: bytes) -> tuple[str, int, int, memoryview, int] | None:
     stride = width * channels + 1
     if len(raw) != stride * height or raw[::stride].count(0) != height:
         return None  # filtered rows: not ours
-    # Pillow maps an L image onto the buffer and wants a whole stride for the last row
-    # too: one byte more than the pixels after the first filter byte.
-    padded = bytearray(raw)
-    padded.append(0)
-    return mode, width, height, memoryview(padded)[1:], stride
+    # No copy: row y's pixels start at y * stride of the view (after their filter byte);
+    # the last row ends the view, so decode it with Pillow's "raw" decoder (which takes
+    # a stride), not ``Image.frombuffer`` (which maps L and wants a whole last stride).
+    return mode, width, height, memoryview(raw)[1:], stride

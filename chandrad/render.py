@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sys
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -340,7 +341,8 @@ def _wide_grey_to_l(img: Image.Image) -> Image.Image:
 
 def _to_page_mode(img: Image.Image) -> Image.Image:
     """The frame as 8-bit ``L`` (greyscale sources: bilevel, 8-bit and wider grey) or
-    ``RGB`` (everything else; transparency over white).
+    ``RGB`` (everything else; transparency over white); the frame itself, not a copy,
+    when it already is one of those.
 
     A grey page stays one channel: resampling and PNG-encoding one channel costs a third
     of three, and the engine converts it to RGB on load (vLLM's ``image_mode``), which
@@ -348,14 +350,19 @@ def _to_page_mode(img: Image.Image) -> Image.Image:
     """
     if img.mode in WIDE_GREY_MODES:
         img = _wide_grey_to_l(img)
-    if img.mode in ("1", "L"):
+    if img.mode == "L":
+        return img  # no copy: the caller resizes or encodes it while it is open
+    if img.mode == "1":
         return img.convert("L")  # bilevel: 0/255, as its RGB conversion; LANCZOS, not NEAREST
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
-    return img.convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
 
+
+#: EXIF orientations that turn or flip the image (1: as stored).
+_TURNS = frozenset(range(2, 9))
 
 _FileKey = tuple[str, int, int, int, int]
 #: The multi-frame image this worker process rendered a page of last, kept open with the
@@ -423,13 +430,17 @@ def _render_image_page(
                     f"{path.name}: page {index + 1} is {img.width}x{img.height} pixels, "
                     f"more than the limit of {_MAX_IMAGE_PIXELS}"
                 )
-            turned = img.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8)
+            orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+            turned = orientation in (5, 6, 7, 8)
             shown = (img.height, img.width) if turned else img.size
             width, height = fit_size(shown[0], shown[1], min_side_px, max_pixels)
             if img.format == "JPEG":  # let libjpeg decode at 1/2, 1/4 or 1/8 when that suffices
                 img.draft("RGB", (height, width) if turned else (width, height))
-            oriented = ImageOps.exif_transpose(img)
+            # exif_transpose copies the whole frame even when nothing turns (2..8 do).
+            oriented = ImageOps.exif_transpose(img) if orientation in _TURNS else img
             pixels = _to_page_mode(oriented)
+            del oriented
+            pixels.load()  # decode errors surface here, not in resize or encode
         except Image.DecompressionBombError as exc:
             raise DecompressionBomb(f"{path.name}: refused as a decompression bomb: {exc}") from exc
         except (OSError, ValueError, SyntaxError, EOFError) as exc:
@@ -437,8 +448,11 @@ def _render_image_page(
                 f"{path.name}: page {index + 1} image data cannot be decoded "
                 f"(truncated or corrupt): {exc}"
             ) from exc
-    if pixels.size != (width, height):
-        pixels = pixels.resize((width, height), Image.Resampling.LANCZOS)
+        if pixels.size != (width, height):
+            pixels = pixels.resize((width, height), Image.Resampling.LANCZOS)
+        elif pixels is img:  # the file's own frame: encode it before it is closed
+            return _final(index, pixels, max_pixels)
+    # The decoded source is closed (freed) before the PNG encoder's copy is made.
     return _final(index, pixels, max_pixels)
 
 
@@ -471,6 +485,10 @@ def _die_with_parent() -> None:
 #: unmapped each time instead of the threshold growing and the heap keeping them.
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+#: Modules PyMuPDF imports when installed, none of which rendering uses.
+_PYMUPDF_EXTRAS = ("pymupdf.layout", "pymupdf4llm")
 
 
 def _libc() -> Any:
@@ -509,6 +527,14 @@ def _worker_init(parent: int) -> None:
         # The daemon died before the signal was armed (the spawn bootstrap can take
         # seconds): nothing will ever be asked of this worker, so leave now.
         os._exit(0)
+    # PyMuPDF imports its optional companions when they are installed (chandra-ocr brings
+    # them): ``pymupdf.layout`` builds two ONNX Runtime sessions and ``pymupdf4llm``
+    # imports onnxruntime and numpy; together ~90 MB of RSS and ~1 s of CPU per worker,
+    # for features rendering never uses (bench/README.md, "Render worker memory").
+    # ``None`` in ``sys.modules`` makes those imports raise ImportError, which PyMuPDF
+    # takes as "not installed".
+    for optional in _PYMUPDF_EXTRAS:
+        sys.modules.setdefault(optional, None)  # type: ignore[arg-type]
     import pymupdf
 
     # Quiet MuPDF's stderr chatter about repaired xrefs; errors still raise.

@@ -117,3 +117,37 @@ def test_postprocessing_of_our_png_equals_that_of_a_pillow_png(name: str) -> Non
     assert (ours.markdown, ours.html, ours.blocks, ours.notes) == (
         theirs.markdown, theirs.html, theirs.blocks, theirs.notes)
     assert ours.images == theirs.images
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB"])
+def test_crops_from_our_png_equal_pillow_crops_of_the_rgb_page(mode: str) -> None:
+    """``ocr._LazyPage.crop`` copies only the crop's rows out of the inflated PNG: the
+    pixels (and the errors) are those of ``Image.crop`` on the whole page in RGB, for
+    boxes inside, on the edges, outside the page, with fractions, and reversed."""
+    rng = random.Random(11)
+    width, height = 61, 47
+    pixels = bytes(rng.randrange(256) for _ in range(width * height * len(mode)))
+    data = png.encode(pixels, width, height, mode)
+    whole = Image.frombytes(mode, (width, height), pixels).convert("RGB")
+    boxes: list[tuple[float, float, float, float]] = [
+        (0, 0, width, height), (3, 4, 20, 30), (0, 0, 1, 1), (width - 1, height - 1, width,
+                                                              height),
+        (10.4, 5.6, 30.5, 40.49), (-5, -5, 10, 10), (50, 40, 80, 60), (7, 7, 7, 9),
+        (2, 3, 4, 3)]
+    boxes += [(x, y, x + rng.randrange(0, 30), y + rng.randrange(0, 30))
+              for x, y in ((rng.randrange(-5, width), rng.randrange(-5, height))
+                           for _ in range(40))]
+    for box in boxes:
+        crop = ocr._LazyPage(data).crop(box)
+        assert crop.mode == "RGB"
+        assert (crop.size, crop.tobytes()) == (whole.crop(box).size, whole.crop(box).tobytes()), box
+    lazy = ocr._LazyPage(data)
+    for bad in [(10, 0, 5, 5), (0, 10, 5, 5)]:
+        with pytest.raises(ValueError) as ours:
+            lazy.crop(bad)
+        with pytest.raises(ValueError) as theirs:
+            whole.crop(bad)
+        assert str(ours.value) == str(theirs.value)
+    # Several crops of one page, after a box that took the whole-page path.
+    assert lazy.crop((-1, -1, 3, 3)).tobytes() == whole.crop((-1, -1, 3, 3)).tobytes()
+    assert lazy.crop((1, 2, 9, 8)).tobytes() == whole.crop((1, 2, 9, 8)).tobytes()
