@@ -25,6 +25,7 @@ import asyncio
 import errno
 import fnmatch
 import functools
+import math
 import os
 import re
 import stat
@@ -284,7 +285,7 @@ class FolderWatcher:
     async def run(self) -> None:
         """Settle loop, periodic rescan and observer health; runs until cancelled or stopped."""
         while not self._stopped:
-            await self._settle()
+            next_due = await self._settle()
             await self._scan_new_dirs()
             now = time.monotonic()
             for r in self._roots:
@@ -293,7 +294,7 @@ class FolderWatcher:
             if now >= self._next_health:
                 await self._check_health()
                 self._next_health = time.monotonic() + self._health_interval
-            await asyncio.sleep(self._tick)
+            await asyncio.sleep(min(self._tick, max(0.005, next_due - time.monotonic())))
 
     def stop(self) -> None:
         """Stop the observers; ``run()`` returns at its next tick.
@@ -444,17 +445,31 @@ class FolderWatcher:
 
     # -- settling --------------------------------------------------------------------
 
-    async def _settle(self) -> None:
+    async def _settle(self) -> float:
+        """Probe the candidates that are due; returns when the next one is due (monotonic).
+
+        A new candidate is stat'ed once halfway through its settle time, so that the stat
+        confirming it unchanged comes at the settle time itself, not a tick later; the
+        loop sleeps until then (issue 11: a file reaches the engine within settle + 0.3 s).
+        """
         now = time.monotonic()
-        due = [(path, t.watch_index, t.gen) for path, t in self._tracked.items()
-               if now - t.last_event >= self._roots[t.watch_index].cfg.settle_seconds]
+        due: list[tuple[Path, int, int]] = []
+        next_due = math.inf
+        for path, t in self._tracked.items():
+            settle = self._roots[t.watch_index].cfg.settle_seconds
+            at = t.last_event + (settle / 2 if t.sig is None else settle)
+            if now >= at:
+                due.append((path, t.watch_index, t.gen))
+            else:
+                next_due = min(next_due, at)
         if not due:
-            return
+            return next_due
         probes = await asyncio.to_thread(self._probe_many, [(i, p) for p, i, _ in due])
         now = time.monotonic()
         for (path, index, gen), probe in zip(due, probes, strict=True):
             with working_on((index, self._roots[index].root, path)):
                 self._settled_probe(path, index, gen, probe, now)
+        return next_due
 
     def _settled_probe(self, path: Path, index: int, gen: int, probe: _Probe | None,
                        now: float) -> None:
