@@ -39,6 +39,9 @@ read once at start, so that a test can change what the *next* generation does:
   (a body that is not a chat completion), ``message`` (an error's), ``prompt_tokens``.
   The default content names the page image's sha256, so a test can tell pages apart.
 * ``record_messages``: keep the messages (the page image) in the ``chat`` events too.
+* ``gate``: N > 0 holds every request until N are held at once (at most ``gate_s``,
+  default 120 s), then answers them and all later ones as usual: the engine is the
+  bottleneck whatever the client's speed (issue 11, in flight >= ``max_num_seqs``).
 
 What happened is appended to ``events.jsonl`` beside the scenario (``spawn``,
 ``check_flags``, ``chat`` at each request's arrival, ``grandchild``) and, when it listens,
@@ -246,6 +249,7 @@ class _Engine(EngineServer):
     prompt_text_tokens: int | None
     lock: threading.Lock
     answered: dict[str, int]
+    gate_open: threading.Event
 
 
 def _read(path: Path | None) -> dict[str, Any]:
@@ -338,6 +342,11 @@ class _ChatHandler(EngineHandler):
                                      f"length is {limit} tokens and your request has {prompt} "
                                      f"input tokens ({max_tokens} > {limit} - {prompt})."))
                 return
+            gate = int(scenario.get("gate", 0))
+            if gate:  # one-shot: hold requests until this many are held at once
+                if running >= gate:
+                    self.server.gate_open.set()
+                self.server.gate_open.wait(float(scenario.get("gate_s", 120)))
             reply = self._reply(scenario, page)
             time.sleep(float(reply.get("delay_s", self.server.delay_s)))
         finally:
@@ -473,6 +482,7 @@ def serve(scenario_path: Path | None, argv: list[str]) -> int:
     server.max_model_len = scenario.get("max_model_len")
     server.prompt_text_tokens = scenario.get("prompt_text_tokens")
     server.lock, server.answered = threading.Lock(), {}
+    server.gate_open = threading.Event()
     port = server.server_address[1]
     log(who, "INFO", "api_server.py:1890", f"Starting vLLM API server 0 on "
         f"http://{args.host}:{port}")

@@ -2,9 +2,9 @@
 within ``settle_seconds + 0.3`` s.
 
 The real daemon (``python -m chandrad run``: watcher, intake, dispatch, render pool,
-SQLite) against the HTTP stand-in engine of ``test_pipeline`` (``engine.url``), which
-records when each request arrives (monotonic clock); the drop is a rename into the inbox,
-as a copy tool finishing would do; both clocks are this process's.
+SQLite) against the stand-in engine process (``tests/standin_engine.py``, as
+``engine.url``), which records when each request arrives (the system's monotonic clock);
+the drop is a rename into the inbox, as a copy tool finishing would do.
 
 Margin on a loaded box: the budget is for chandrad's own path (watcher, hash, accept,
 probe, render of a 1120x1400 page, request). Measured on the shared 2-core box (1-min
@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_pipeline import MODEL, StandinEngine, make_image
+from standin_engine import StandinServer, standin_server
+from test_pipeline import MODEL, Reply, make_image
 
 from chandrad.ctl.client import call
 
@@ -36,11 +37,10 @@ DROPS = 3
 
 
 @pytest.fixture
-def standin() -> Iterator[StandinEngine]:
-    engine = StandinEngine()
-    engine.start()
-    yield engine
-    engine.stop()
+def standin(tmp_path: Path) -> Iterator[StandinServer]:
+    with standin_server(tmp_path / "standin-engine", {"default": Reply().scenario()},
+                        served=MODEL) as server:
+        yield server
 
 
 def _wait(what: str, predicate: Callable[[], bool], timeout: float, proc: subprocess.Popen[bytes],
@@ -53,8 +53,8 @@ def _wait(what: str, predicate: Callable[[], bool], timeout: float, proc: subpro
         time.sleep(0.02)
 
 
-def _more_than(standin: StandinEngine, seen: int) -> bool:
-    return len(standin.requests) > seen
+def _more_than(standin: StandinServer, seen: int) -> bool:
+    return len(standin.chats()) > seen
 
 
 def _ready(sock: Path) -> bool:
@@ -65,7 +65,7 @@ def _ready(sock: Path) -> bool:
 
 
 def test_one_page_reaches_the_engine_within_settle_plus_300_ms(
-        tmp_path: Path, standin: StandinEngine) -> None:
+        tmp_path: Path, standin: StandinServer) -> None:
     inbox, done = tmp_path / "in", tmp_path / "done"
     inbox.mkdir()
     sock = tmp_path / "control.sock"
@@ -107,12 +107,12 @@ socket = "{sock}"
         for i in range(DROPS + 1):  # the first spawns the render pool: cold, not counted
             staged = tmp_path / "src" / f".p{i}.png"
             staged.write_bytes(src.read_bytes())
-            seen = len(standin.requests)
+            seen = len(standin.chats())
             t_drop = time.monotonic()
             os.replace(staged, inbox / f"p{i}.png")
             _wait(f"request of p{i}", functools.partial(_more_than, standin, seen), 60, proc,
                   log)
-            arrived = standin.requests[seen][0]
+            arrived = float(standin.chats()[seen]["t"])
             if i:
                 latencies.append(arrived - t_drop)
             _wait(f"p{i} done", (done / f"p{i}.png").exists, 60, proc, log)

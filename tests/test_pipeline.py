@@ -669,3 +669,31 @@ def test_one_page_files_keep_the_engine_batch_full(tmp_path: Path,
 
     run_async(body)
     assert standin.held_max() >= seqs, (standin.held_max(), seqs)
+
+
+def test_one_117_page_pdf_fills_a_64_seq_engine(tmp_path: Path, standin: StandinEngine,
+                                                corpus_dir: Path) -> None:
+    """Chandra's H100 setting, ``max_num_seqs = 64``: one long PDF alone (the corpus's
+    117 pages) keeps at least 64 requests at the engine while rendered pages wait
+    (issue 11). The stand-in answers nothing until it holds 64 (its ``gate``), so the
+    engine is the bottleneck whatever this box's render speed, then everything at once.
+    With a fixed 6 s per page instead, renders never got ahead on the loaded 2-core box
+    (it held 24) and the test proved nothing."""
+    seqs = 64
+    watch = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [watch],
+                          engine_lines=f"[engine.memory]\nmax_num_seqs = {seqs}\n")
+    standin.server.update(gate=seqs)
+    pdf = watch.input / "long.pdf"
+    pdf.write_bytes((corpus_dir / "good" / "digital_de-math-lecture-notes_117p_geotopo.pdf")
+                    .read_bytes())
+
+    async def body() -> None:
+        async with running(config) as run:
+            job = accept(run.store, watch, pdf)
+            run.pipeline._wake.set()
+            assert (await run.wait_finished(job.id, timeout=300)).state is JobState.DONE
+
+    run_async(body)
+    assert len(standin.requests()) == 117
+    assert standin.held_max() >= seqs, (standin.held_max(), seqs)
