@@ -17,8 +17,10 @@ Two shapes (``--shape``): ``all-cores`` (everything on every core, the small-box
 ``gpu`` (the shape of a GPU server: the engine pinned to ``--engine-cpus``, this process
 and so the render pool, the daemon and the CLI pinned to ``--chandrad-cpus``).
 
-Prints a table and a JSON summary, also written to ``bench/results/latest.json``
-(fields: ``bench/results/README.md``). Usage: ``.venv/bin/python bench/run.py [--quick]``.
+Prints a table and a JSON summary, also written to ``--out`` (default
+``bench/results/latest.json``; fields: ``bench/results/README.md``) and, as a Markdown
+table with each target met or not, beside it (``.md``).
+Usage: ``.venv/bin/python bench/run.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -617,6 +619,30 @@ def summarize(res: dict[str, Any]) -> None:
 
 
 def table(res: dict[str, Any]) -> str:
+    rows = _rows(res)
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+
+
+def markdown(res: dict[str, Any], argv: list[str]) -> str:
+    """The run as ``bench/results/*.md``: command, the table, each target met or not."""
+    lines = [f"# chandrad benchmark, {res['when']}", "",
+             f"Command: `bench/run.py {' '.join(argv)}`; {res['total_s']} s in all; "
+             f"1-min load at start / end {res['loadavg_start'][0]:.2f} / "
+             f"{res['loadavg_end'][0]:.2f}. JSON beside this file.", "",
+             "| figure | value |", "|---|---|"]
+    lines += [f"| {_cell(label)} | {_cell(value)} |" for label, value in _rows(res)]
+    lines += ["", "| target | value | target | met |", "|---|---|---|---|"]
+    lines += [f"| {name} | {t['value']} | {t['target']} | {'yes' if t['met'] else 'NO'} |"
+              for name, t in res.get("targets", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
 
     def add(label: str, value: Any, unit: str = "") -> None:
@@ -664,8 +690,7 @@ def table(res: dict[str, Any]) -> str:
     add("load average (1 min) by phase", res.get("loadavg"))
     bl = res.get("backlog", {})
     add(f"backlog {bl.get('files')} files queued (target < 10 s)", bl.get("seconds"), " s")
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+    return rows
 
 
 def main() -> int:
@@ -760,6 +785,7 @@ def main() -> int:
     summarize(res)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(res, sys.argv[1:]))
     print(table(res))
     print(json.dumps(res, indent=2))
     return 0
