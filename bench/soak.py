@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from faults.faultkit import (  # noqa: E402
+    OCR,
     Daemon,
     RemoteEngine,
     audit,
@@ -192,14 +193,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from tiny_model import build_tiny_model
 
         cache = Path(os.environ.get("CHANDRAD_TEST_CACHE", REPO / ".tiny-model"))
-        toml = real_engine(build_tiny_model(cache / "idefics3"), port=port)
+        toml = real_engine(build_tiny_model(cache / "idefics3"), port=port,
+                           downshift={"backoff": [1.0, 5.0], "max_restarts": 100,
+                                      "window": 600})
     elif args.engine == "remote":
         remote = RemoteEngine(root / "engine", args.standin_delay, port=port)
         toml = remote.toml
     else:
         toml = standin_engine(root, port=port)
-    extra = f"max_pixels = {args.max_pixels}" if args.max_pixels else ""
-    d = Daemon(root, toml, settle=0.5, ocr_extra=extra, max_output_tokens=args.max_tokens)
+    ocr = {**OCR, "max_output_tokens": args.max_tokens}
+    if args.max_pixels:
+        ocr["max_pixels"] = args.max_pixels
+    d = Daemon(root, toml, settle=0.5, ocr=ocr)
     if args.engine == "standin":
         d.control(mode="serve", delay_s=args.standin_delay)
     items = (backlog(root, args.backlog, args.backlog_scale) if args.backlog
@@ -257,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             d.done_pages()) > b, 300, every=0.5)
                 else:
                     if args.restart_every:
-                        d.ctl("engine", "restart")
+                        d.ctl("engine", "restart", check=False)
                     elif pid:
                         os.kill(pid, signal.SIGKILL)
                     d.wait_for("engine back", lambda p=pid: d.engine_state() == "ready"  # type: ignore[misc]

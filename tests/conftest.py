@@ -8,24 +8,16 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import daemon_harness
 import loop_model
 import pytest
 from tiny_model import build_tiny_model, cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _cache_root() -> Path:
@@ -50,7 +42,7 @@ def loop_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def free_port() -> Callable[[], int]:
     """A function returning a currently free localhost TCP port."""
-    return _free_port
+    return daemon_harness.free_port
 
 
 #: The test documents, kept in the repository (``tests/corpus/README.md``). The one place

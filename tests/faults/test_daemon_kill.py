@@ -76,7 +76,7 @@ def test_daemon_sigkill_at_random_points(tmp_path: Path, corpus_dir: Path,
                 delay = rng.uniform(0.1, 2.0)
                 phase = "start-up"
             else:
-                d.wait_for("status answers", lambda: d.status() is not None, 60, every=0.1)
+                d.wait_answering(60, every=0.1)
                 answering.append(time.monotonic() - t0)
                 delay = rng.uniform(0.1, 4.0) if dice < 0.5 else rng.uniform(0.0, 0.5)
                 phase = "serving"
@@ -107,8 +107,8 @@ def test_daemon_sigkill_at_random_points(tmp_path: Path, corpus_dir: Path,
             changed = [k for k, t in committed.items() if k in after and after[k] != t]
             assert not changed, f"round {n} (seed {seed}): committed pages changed {changed}"
         d.start()
-        answering.append(d.wait_for("status answers", lambda: d.status() is not None, 60))
-        d.wait_all_final(dropped, 300)
+        answering.append(d.wait_answering(60))
+        d.wait_stored_final(dropped, 300)
         a = audit(d, dropped, committed)
         assert d.stop() == 0
     finally:

@@ -61,7 +61,7 @@ def test_engine_sigkill_mid_batch(daemon: Daemon, corpus_dir: Path) -> None:
     d.wait_for("engine restarted", lambda: d.engine_state() == "ready"
                and d.engine_pid() not in (None, pid), 60)
     serving = time.monotonic() - t0
-    d.wait_all_final([name], 120)
+    d.wait_stored_final([name], 120)
     a = audit(d, {name: DOC_PAGES}, before)
     record("engine SIGKILL mid-batch", "engine failed (signal 9) → backoff → restarted; "
            "in-flight pages released and re-sent; job done",
@@ -91,7 +91,7 @@ def test_engine_sigstop_health_timeout(daemon: Daemon, corpus_dir: Path) -> None
     serving = time.monotonic() - t0
     assert not Path(f"/proc/{pid}").exists() or \
         Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", "hung engine left running"
-    d.wait_all_final([name], 120)
+    d.wait_stored_final([name], 120)
     a = audit(d, {name: DOC_PAGES}, before)
     status = d.status()
     assert status is not None and "health" in str(status["engine"].get("last_failure")), status
@@ -110,7 +110,7 @@ def test_engine_never_ready(daemon: Daemon, corpus_dir: Path) -> None:
                lambda: "startup_timeout" in str((d.status() or {}).get("engine")), 60)
     name = _drop_copy(d, corpus_dir, "never-ready.pdf")
     d.wait_for("job accepted while engine is down",
-               lambda: any(Path(j["path"]).name == name for j in d.jobs()), 30)
+               lambda: any(Path(j["path"]).name == name for j in d.stored_jobs()), 30)
     # Two start-up timeouts in a row: it keeps trying, with backoff, and says why.
     status = d.status()
     assert status is not None and status["engine"]["state"] in ("starting", "backoff",
@@ -119,7 +119,7 @@ def test_engine_never_ready(daemon: Daemon, corpus_dir: Path) -> None:
     t0 = time.monotonic()
     d.wait_engine_ready(60)
     serving = time.monotonic() - t0
-    d.wait_all_final([name], 120)
+    d.wait_stored_final([name], 120)
     a = audit(d, {name: DOC_PAGES})
     record("engine never becomes ready", "startup_timeout (8 s here) → failed → backoff → "
            "restart, repeated; files accepted and queued meanwhile; done once it serves",
@@ -155,7 +155,7 @@ def test_engine_dies_or_hangs_during_shutdown(daemon: Daemon, corpus_dir: Path,
     t1 = time.monotonic()
     d.wait_engine_ready(120)
     serving = time.monotonic() - t1
-    d.wait_all_final([name], 120)
+    d.wait_stored_final([name], 120)
     a = audit(d, {name: DOC_PAGES}, before)
     what = ("crashes (exit 139)" if mode == "term_crash" else "ignores SIGTERM")
     record(f"engine {what} during daemon shutdown",
@@ -183,7 +183,7 @@ def test_sigterm_with_a_backlog_finishes_in_flight_work_only_and_exits(
         drop(corpus_dir / "good" / "image_hi-devanagari.png", d.inbox, n)
 
     def states() -> dict[str, str]:
-        return {Path(j["path"]).name: str(j["state"]) for j in d.jobs()
+        return {Path(j["path"]).name: str(j["state"]) for j in d.stored_jobs()
                 if Path(j["path"]).name in names}
 
     d.wait_for("3 of the backlog done", lambda: list(states().values()).count("done") >= 3,
@@ -200,7 +200,7 @@ def test_sigterm_with_a_backlog_finishes_in_flight_work_only_and_exits(
     d.control(mode="serve", delay_s=0.05)
     d.start()
     d.wait_engine_ready(120)
-    d.wait_all_final(names, 300)
+    d.wait_stored_final(names, 300)
     a = audit(d, {n: 1 for n in names}, before)
     running = list(at_term.values()).count("running")
     record("SIGTERM with a 30-file backlog (pages in flight)",

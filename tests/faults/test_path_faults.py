@@ -38,7 +38,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 def _job(d: Daemon, name: str) -> dict[str, object] | None:
-    jobs = [j for j in d.jobs() if Path(j["path"]).name == name]
+    jobs = [j for j in d.stored_jobs() if Path(j["path"]).name == name]
     return jobs[-1] if jobs else None
 
 
@@ -75,7 +75,7 @@ def test_read_only_done(daemon: Daemon, corpus_dir: Path) -> None:
     finally:
         subprocess.run(["umount", str(d.done)], check=True)
     t0 = time.monotonic()
-    jobs = d.wait_all_final([name], 120)
+    jobs = d.wait_stored_final([name], 120)
     a = audit(d, {name: 4})
     record("read-only done/", f"job {state_ro} while done/ was read-only, then "
            f"{jobs[name]['state']}; input in {_final_place(d, name)}", lost=len(a.lost),
@@ -92,7 +92,7 @@ def test_output_dir_deleted_while_running(daemon: Daemon, corpus_dir: Path) -> N
     d.wait_for("3 pages done", lambda: _pages_done(d, name) >= 3, 60)
     before = d.done_pages()
     shutil.rmtree(d.output)
-    d.wait_all_final([name], 120)
+    d.wait_stored_final([name], 120)
     a = audit(d, {name: DOC_PAGES}, before)
     record("output folder deleted while a job runs", "outputs written into a re-created "
            "folder at the end of the job", lost=len(a.lost) + len(a.bad_outputs),
@@ -119,7 +119,7 @@ def test_input_truncated_while_pages_in_flight(daemon: Daemon, corpus_dir: Path)
     before = d.done_pages()
     with path.open("r+b") as fh:
         fh.truncate(path.stat().st_size // 3)
-    jobs = d.wait_all_final([name], 120)
+    jobs = d.wait_stored_final([name], 120)
     a = audit(d, {name: None}, before)
     job = jobs[name]
     record("input truncated to 1/3 while its pages are in flight",
@@ -135,7 +135,7 @@ def test_input_deleted_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) -
     path = drop(corpus_dir / "good" / DOC, d.inbox, name)
     d.wait_for("2 pages done", lambda: _pages_done(d, name) >= 2, 60)
     path.unlink()
-    jobs = d.wait_all_final([name], 120)
+    jobs = d.wait_stored_final([name], 120)
     job = jobs[name]
     record("input deleted while its pages are in flight",
            f"job {job['state']} ({job['error_code']}): "
@@ -155,11 +155,11 @@ def test_input_replaced_while_pages_in_flight(daemon: Daemon, corpus_dir: Path) 
     try:
         d.wait_for("the replacement processed", lambda: any(
             j["sha256"] == new_sha and j["state"] in ("done", "partial", "failed")
-            and Path(j["path"]).name == name for j in d.jobs()), 60)
+            and Path(j["path"]).name == name for j in d.stored_jobs()), 60)
         ok = True
     except AssertionError:
         ok = False
-    jobs = [j for j in d.jobs() if Path(j["path"]).name == name]
+    jobs = [j for j in d.stored_jobs() if Path(j["path"]).name == name]
     in_done = [p for p in d.done.iterdir() if p.name.startswith("in-flight-replaced")]
     record("input replaced while its pages are in flight",
            f"jobs {[(j['state'], j['pages_total']) for j in jobs]}; "
@@ -192,7 +192,7 @@ def test_hostile_names(daemon: Daemon, corpus_dir: Path) -> None:
     names = ["ta\tb and  space.png", "-dash.png", "%s%n$(id)`x`;*.png", "\u202eevil.gnp.png"]
     for name in names:
         drop(src, d.inbox, name)
-    jobs = d.wait_all_final(names, 120)
+    jobs = d.wait_stored_final(names, 120)
     a = audit(d, {n: 1 for n in names})
     record("hostile names: tab, double space, leading dash, printf/shell metacharacters, "
            "RTL override", "; ".join(f"{n!r}: {jobs[n]['state']} → {_final_place(d, n)}"
@@ -214,9 +214,9 @@ def test_symlink_and_hardlink_tricks(daemon: Daemon, corpus_dir: Path, tmp_path:
     (d.inbox / "link.pdf").symlink_to(secret)
     (d.inbox / "dirlink").symlink_to(outside / "sub", target_is_directory=True)
     os.link(secret, d.inbox / "hard.pdf")  # a second name for an outside file's inode
-    d.wait_all_final(["hard.pdf"], 60)
+    d.wait_stored_final(["hard.pdf"], 60)
     time.sleep(3)
-    accepted = {Path(j["path"]).name for j in d.jobs()}
+    accepted = {Path(j["path"]).name for j in d.stored_jobs()}
     assert "link.pdf" not in accepted and "deep.pdf" not in accepted, accepted
     assert (d.inbox / "link.pdf").is_symlink(), "the symlink was moved or replaced"
     assert {p: p.stat().st_mtime_ns for p in outside.rglob("*")} == before
@@ -305,7 +305,7 @@ def test_hostile_files(daemon: Daemon, corpus_dir: Path, tmp_path: Path) -> None
          "jbig2-35000px.pdf")
     names = [*made, "gif-bomb.gif", "jbig2-35000px.pdf"]
     t0 = time.monotonic()
-    jobs = d.wait_all_final(names, 180)
+    jobs = d.wait_stored_final(names, 180)
     seconds = time.monotonic() - t0
     assert d.status() is not None
     a = audit(d, {n: None for n in names})
@@ -341,8 +341,8 @@ def test_file_that_keeps_growing(daemon: Daemon, corpus_dir: Path) -> None:
             fh.flush()
             time.sleep(0.5)
             assert _job(d, name) is None, f"taken after {time.monotonic() - t0:.1f}s of writing"
-    jobs = d.wait_all_final([name], 120)
-    assert sum(1 for j in d.jobs() if Path(j["path"]).name == name) == 1
+    jobs = d.wait_stored_final([name], 120)
+    assert sum(1 for j in d.stored_jobs() if Path(j["path"]).name == name) == 1
     assert jobs[name]["size"] == len(data)
     a = audit(d, {name: DOC_PAGES})
     record(f"file that grows for {GROW_SECONDS:.0f} s (0.5 s steps)",

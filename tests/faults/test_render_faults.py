@@ -63,7 +63,7 @@ def _signal_workers(d: Daemon, sig: int) -> list[int]:
 
 
 def _job(d: Daemon, name: str) -> dict[str, object] | None:
-    jobs = [j for j in d.jobs() if Path(j["path"]).name == name]
+    jobs = [j for j in d.stored_jobs() if Path(j["path"]).name == name]
     return jobs[-1] if jobs else None
 
 
@@ -87,7 +87,7 @@ def _events(d: Daemon, *names: str) -> list[dict[str, object]]:
 def _wait_idle(d: Daemon) -> None:
     """No job pending or running."""
     d.wait_for("daemon idle", lambda: all(
-        j["state"] not in ("pending", "running") for j in d.jobs()), 120)
+        j["state"] not in ("pending", "running") for j in d.stored_jobs()), 120)
 
 
 def test_render_worker_sigkill_then_sigsegv_mid_document(daemon: Daemon,
@@ -108,7 +108,7 @@ def test_render_worker_sigkill_then_sigsegv_mid_document(daemon: Daemon,
     d.wait_for("a new render worker", lambda: bool({p.pid for p in _workers(d)} - set(killed)),
                60)
     segv = _signal_workers(d, signal.SIGSEGV) if _pages_done(d, name) < DOC_PAGES else []
-    jobs = d.wait_all_final([name], 300)
+    jobs = d.wait_stored_final([name], 300)
     a = audit(d, {name: DOC_PAGES}, before)
     retries = _events(d, "page_render_retry", "page_retry", "render_pool_replaced")
     retries = retries[retries_before:]
@@ -132,7 +132,7 @@ def test_render_worker_killed_while_idle_next_document_is_done(daemon: Daemon,
     d = daemon
     warm = "before-idle-kill.png"  # the pool has a worker once it has rendered something
     drop(corpus_dir / "good" / ONE_PAGE, d.inbox, warm)
-    d.wait_all_final([warm], 120)
+    d.wait_stored_final([warm], 120)
     _wait_idle(d)
     d.wait_for("a live render worker", lambda: bool(_workers(d)), 30)
     replaced_before = len(_events(d, "render_pool_replaced"))
@@ -144,7 +144,7 @@ def test_render_worker_killed_while_idle_next_document_is_done(daemon: Daemon,
     for n in names:
         drop(corpus_dir / "good" / ONE_PAGE, d.inbox, n)
     t0 = time.monotonic()
-    jobs = d.wait_all_final(names, 120)
+    jobs = d.wait_stored_final(names, 120)
     took = time.monotonic() - t0
     a = audit(d, {n: 1 for n in [warm, *names]})
     states = {n: f"{jobs[n]['state']}" + (f" ({jobs[n]['error_code']})"
@@ -180,7 +180,7 @@ def test_render_worker_dying_on_every_try_fails_the_document_clearly(
     thread.start()
     try:
         drop(corpus_dir / "good" / "scan_four-orientations_cardinal.pdf", d.inbox, name)
-        jobs = d.wait_all_final([name], 120)
+        jobs = d.wait_stored_final([name], 120)
     finally:
         stop.set()
         thread.join(5)
@@ -190,7 +190,7 @@ def test_render_worker_dying_on_every_try_fails_the_document_clearly(
     after = "after-poison.png"
     drop(corpus_dir / "good" / ONE_PAGE, d.inbox, after)
     t0 = time.monotonic()
-    later = d.wait_all_final([after], 120)[after]
+    later = d.wait_stored_final([after], 120)[after]
     a = audit(d, {name: None, after: 1})
     record("render worker killed on every try of one document (a crashing decoder)",
            f"{len(set(kills))} workers killed; job {job['state']} ({job['error_code']}), "
