@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -29,9 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_daemon import DaemonUnderTest, drop
-
-from chandrad.engine.session import EngineIdentity, stale_engine_pids
+from daemon_harness import (
+    OCR_REAL_ENGINE,
+    Daemon,
+    drop,
+    engine_leftovers,
+    kill_all,
+    real_engine,
+    table,
+)
+from waiting import wait_until
 
 pytestmark = [
     pytest.mark.engine,
@@ -43,6 +49,8 @@ SHORT_DOC = "good/image_numeric-table-scan.tif"
 BAD_DOC = "bad/broken_zero-length.pdf"
 TOTAL_PAGES = 17 + 15 + 1
 RUN_TIMEOUT = 900.0
+#: ``[ocr]`` of the batch and of the daemon beside it: one page at a time.
+OCR = {**OCR_REAL_ENGINE, "max_in_flight": 1}
 
 
 @dataclass
@@ -74,13 +82,7 @@ class Batch:
 
     def engine_left(self) -> set[int]:
         """The processes of the batch's last engine still alive (none after a clean stop)."""
-        session = self.output / ".chandrad" / "engine.session"
-        identity = EngineIdentity.from_json(session.read_text()) if session.exists() else None
-        return stale_engine_pids(identity) if identity is not None else set()
-
-    def kill_leftover_engine(self) -> None:
-        for pid in self.engine_left():
-            os.kill(pid, signal.SIGKILL)
+        return engine_leftovers(self.output / ".chandrad")
 
 
 @pytest.fixture(scope="module")
@@ -88,28 +90,9 @@ def batch(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
           free_port: Callable[[], int]) -> Iterator[Batch]:
     root = tmp_path_factory.mktemp("batch-e2e")
     b = Batch(root, root / "chandrad.toml", root / "out", free_port())
-    b.config.write_text(f"""
-[ocr]
-max_output_tokens = 48
-retries = 1
-request_timeout = 120
-max_in_flight = 1
-
-[engine]
-model = "{tiny_model_dir}"
-served_model_name = "chandra"
-port = {b.engine_port}
-startup_timeout = 600
-stop_timeout = 15
-stable_seconds = 5
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-
-[engine.memory]
-max_num_seqs = 16
-max_model_len = 4096
-""")
+    b.config.write_text(table("ocr", OCR) + real_engine(tiny_model_dir, port=b.engine_port))
     yield b
-    b.kill_leftover_engine()
+    kill_all(b.engine_left())
 
 
 def _capture(session: str) -> str:
@@ -117,47 +100,12 @@ def _capture(session: str) -> str:
                           text=True, timeout=10).stdout
 
 
-def _daemon_on(engine_port: int, root: Path) -> DaemonUnderTest:
+def _daemon_on(engine_port: int, root: Path) -> Daemon:
     """A real daemon using the batch's engine (``engine.url``): its outputs are the daemon's."""
-    d = DaemonUnderTest(
-        root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
-        inbox=root / "inbox", output=root / "output", done=root / "done",
-        failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
-        log_path=root / "daemon.log")
-    root.mkdir(parents=True, exist_ok=True)
-    d.config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{d.inbox}"
-output = "{d.output}"
-done = "{d.done}"
-failed = "{d.failed}"
-settle_seconds = 0.5
-poll_interval = 0.5
-
-[ocr]
-max_output_tokens = 48
-retries = 1
-request_timeout = 120
-max_in_flight = 1
-
-[engine]
-url = "http://127.0.0.1:{engine_port}"
-served_model_name = "chandra"
-
-[engine.downshift]
-backoff = [0.5, 1.0]
-
-[control]
-socket = "{d.socket}"
-
-[metrics]
-listen = ""
-""")
-    return d
+    engine = table("engine", {"url": f"http://127.0.0.1:{engine_port}",
+                              "served_model_name": "chandra"})
+    return Daemon(root, engine + table("engine.downshift", {"backoff": [0.5, 1.0]}),
+                  settle=0.5, ocr=OCR, tables=table("metrics", {"listen": ""}))
 
 
 def _form(folder: Path, stem: str) -> dict[str, object]:
@@ -174,12 +122,8 @@ def _form(folder: Path, stem: str) -> dict[str, object]:
     }
 
 
-def _daemon_finished(daemon: DaemonUnderTest) -> bool:
-    if not daemon.state_db.exists():
-        return False
-    with daemon.db() as db:
-        states = [r[0] for r in db.execute("SELECT state FROM jobs")]
-    return states == ["done"]
+def _daemon_finished(daemon: Daemon) -> bool:
+    return [j["state"] for j in daemon.stored_jobs()] == ["done"]
 
 
 def test_batch_progress_ctrl_c_resume_and_exit_codes(batch: Batch, corpus_dir: Path) -> None:
@@ -200,33 +144,36 @@ def test_batch_progress_ctrl_c_resume_and_exit_codes(batch: Batch, corpus_dir: P
     daemon = _daemon_on(batch.engine_port, batch.root / "daemon")
     daemon.start()
     seen: dict[int, str] = {}  # pages done -> the screen that showed it
+
+    def partway_and_daemon_finished() -> bool:
+        screen = _capture(session)
+        for done, total in re.findall(r"\b(\d+)/(\d+) pages\b", screen):
+            if int(total) == TOTAL_PAGES:
+                seen.setdefault(int(done), screen)
+        partway = [n for n in seen if 0 < n < TOTAL_PAGES]
+        if len(partway) >= 2 and _daemon_finished(daemon):
+            return True
+        assert not rc_file.exists(), f"the batch ended before Ctrl-C:\n{screen}"
+        return False
+
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
-        while daemon.status() is None:
-            assert daemon.proc is not None and daemon.proc.poll() is None, daemon.tail()
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        daemon.wait_answering(RUN_TIMEOUT)
         drop(short_doc, daemon.inbox)
-        while time.monotonic() < deadline:
-            screen = _capture(session)
-            for done, total in re.findall(r"\b(\d+)/(\d+) pages\b", screen):
-                if int(total) == TOTAL_PAGES:
-                    seen.setdefault(int(done), screen)
-            partway = [n for n in seen if 0 < n < TOTAL_PAGES]
-            if len(partway) >= 2 and _daemon_finished(daemon):
-                break
-            assert not rc_file.exists(), f"the batch ended before Ctrl-C:\n{screen}"
-            time.sleep(0.2)
+        daemon.wait_for(f"batch partway through {TOTAL_PAGES} pages, the daemon's page done",
+                        partway_and_daemon_finished, deadline - time.monotonic(), every=0.2)
         subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True, timeout=10)
-        while not rc_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.3)
+        wait_until(rc_file.exists, deadline - time.monotonic(), "batch exited after Ctrl-C",
+                   every=0.3, context=lambda: _capture(session))
         stopped_at = time.time()
         final = _capture(session)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, timeout=10)
-        if daemon.proc is not None and daemon.proc.poll() is None:
-            daemon.proc.send_signal(signal.SIGTERM)
-            daemon.proc.wait(60)
+        try:
+            if daemon.alive():
+                daemon.stop(60)
+        finally:
+            daemon.cleanup()
     partway = sorted(n for n in seen if 0 < n < TOTAL_PAGES)
     assert len(partway) >= 2, f"progress seen: {sorted(seen)}"
     shown = seen[partway[-1]]

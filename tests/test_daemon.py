@@ -11,23 +11,18 @@ import glob
 import json
 import os
 import re
-import shutil
 import signal
-import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import corpus_manifest
+from daemon_harness import OCR_REAL_ENGINE, Daemon, drop, real_engine
 
 from chandrad.engine.process import process_name, session_members
-from chandrad.engine.session import EngineIdentity, stale_engine_pids
 
 pytestmark = pytest.mark.engine
 
@@ -35,152 +30,20 @@ READY_TIMEOUT = 600.0
 JOB_TIMEOUT = 600.0
 
 
-@dataclass
-class DaemonUnderTest:
-    root: Path
-    config: Path
-    socket: Path
-    inbox: Path
-    output: Path
-    done: Path
-    failed: Path
-    state_db: Path
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: list[float] = field(default_factory=list)
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "chandrad", "run", "--config", str(self.config)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET",
-                                                                   "JOURNAL_STREAM")},
-        )
-        self.starts.append(time.monotonic())
-
-    def ctl(self, *args: str, check: bool = True,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [sys.executable, "-m", "chandrad.ctl.main", "--socket", str(self.socket), *args],
-            capture_output=True, text=True, timeout=timeout)
-        if check and result.returncode != 0:
-            raise AssertionError(f"chandractl {args} -> {result.returncode}: "
-                                 f"{result.stdout}{result.stderr}")
-        return result
-
-    def ctl_json(self, *args: str) -> dict[str, Any]:
-        out: dict[str, Any] = json.loads(self.ctl(*args, "--json").stdout)
-        return out
-
-    def status(self) -> dict[str, Any] | None:
-        result = self.ctl("status", "--json", check=False)
-        return json.loads(result.stdout) if result.returncode == 0 else None
-
-    def wait_engine_ready(self) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < READY_TIMEOUT:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.tail()}")
-            status = self.status()
-            if status and status["engine"]["state"] == "ready":
-                return time.monotonic() - t0
-            time.sleep(1.0)
-        raise AssertionError(f"engine not ready after {READY_TIMEOUT}s\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
-    def jobs(self) -> list[dict[str, Any]]:
-        jobs: list[dict[str, Any]] = self.ctl_json("queue")["jobs"]
-        return jobs
-
-    def wait_jobs_finished(self, names: set[str], timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            jobs = {Path(j["path"]).name: j for j in self.jobs()}
-            if names <= set(jobs) and all(jobs[n]["state"] in ("done", "partial", "failed")
-                                          for n in names):
-                return jobs
-            time.sleep(1.0)
-        raise AssertionError(f"jobs {names} not finished; queue={self.jobs()}\n{self.tail()}")
-
-    def db(self) -> sqlite3.Connection:
-        return sqlite3.connect(f"file:{self.state_db}?mode=ro", uri=True, timeout=10)
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
-           free_port: Callable[[], int]) -> Iterator[DaemonUnderTest]:
-    root = tmp_path_factory.mktemp("e2e")
-    d = DaemonUnderTest(
-        root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
-        inbox=root / "inbox", output=root / "output", done=root / "done",
-        failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
-        log_path=root / "daemon.log",
-    )
-    d.config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{d.inbox}"
-output = "{d.output}"
-done = "{d.done}"
-failed = "{d.failed}"
-settle_seconds = 1.0
-poll_interval = 0.5
-
-[ocr]
-max_output_tokens = 48
-retries = 1
-request_timeout = 120
-
-[engine]
-model = "{tiny_model_dir}"
-served_model_name = "chandra"
-port = {free_port()}
-startup_timeout = 600
-stop_timeout = 15
-stable_seconds = 5
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-
-[engine.memory]
-gpu_memory_utilization = "auto"
-max_num_seqs = 16
-max_num_batched_tokens = "auto"
-max_model_len = 4096
-
-[control]
-socket = "{d.socket}"
-""")
+           free_port: Callable[[], int]) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("e2e"), real_engine(tiny_model_dir, port=free_port()),
+               settle=1.0, ocr=OCR_REAL_ENGINE)
     d.start()
-    print(f"\nengine ready after {d.wait_engine_ready():.1f}s")
-    yield d
-    if d.proc is not None and d.proc.poll() is None:
-        d.proc.kill()
-        d.proc.wait()
-    # Never leave an engine behind, whatever failed above.
-    session = root / "state" / "engine.session"
-    identity = EngineIdentity.from_json(session.read_text()) if session.exists() else None
-    if identity is not None:
-        for pid in stale_engine_pids(identity):
-            os.kill(pid, signal.SIGKILL)
+    try:
+        print(f"\nengine ready after {d.wait_engine_ready(READY_TIMEOUT, every=1.0):.1f}s")
+        yield d
+    finally:
+        d.cleanup()  # never leave an engine behind, whatever failed
 
 
-def drop(src: Path, inbox: Path, name: str | None = None) -> Path:
-    """Copy like an operator would: write a temp name, then rename into place."""
-    dest = inbox / (name or src.name)
-    tmp = inbox / f".{dest.name}.part"
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dest)
-    return dest
-
-
-def test_good_corpus_produces_every_output(daemon: DaemonUnderTest, corpus_dir: Path) -> None:
+def test_good_corpus_produces_every_output(daemon: Daemon, corpus_dir: Path) -> None:
     """Every good file → .md, .html, .json (one entry per source page), metadata; input in done/.
 
     The stand-in answers every page with a Chandra layout page (tiny_model.PLANTED_TEXT):
@@ -191,7 +54,7 @@ def test_good_corpus_produces_every_output(daemon: DaemonUnderTest, corpus_dir: 
     for row in rows:
         drop(corpus_dir / row["file"], daemon.inbox)
     names = {Path(r["file"]).name for r in rows}
-    jobs = daemon.wait_jobs_finished(names, timeout=1800)
+    jobs = daemon.wait_jobs_final(names, 1800)
     elapsed = time.monotonic() - t0
     total_pages = total_images = 0
     for row in rows:
@@ -234,7 +97,7 @@ def test_good_corpus_produces_every_output(daemon: DaemonUnderTest, corpus_dir: 
 
 
 def test_bad_corpus_fails_with_reasons_or_is_processed(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """Bad files: 'failed' ones land in failed/ with <name>.error.json; 'ok' ones are processed;
     the daemon keeps serving throughout."""
@@ -242,11 +105,10 @@ def test_bad_corpus_fails_with_reasons_or_is_processed(
     for row in rows:
         drop(corpus_dir / row["file"], daemon.inbox)
     names = {Path(r["file"]).name for r in rows}
-    daemon.wait_jobs_finished(names - {"broken_zero-length.pdf"}, timeout=900)
+    daemon.wait_jobs_final(names - {"broken_zero-length.pdf"}, 900)
     # A zero-length file may be refused before it becomes a job; either way it ends in failed/.
-    deadline = time.monotonic() + 60
-    while not (daemon.failed / "broken_zero-length.pdf").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    daemon.wait_for("broken_zero-length.pdf in failed/",
+                    (daemon.failed / "broken_zero-length.pdf").exists, 60, every=0.5)
     for row in rows:
         name = Path(row["file"]).name
         expect = row["expect"]
@@ -265,7 +127,7 @@ def test_bad_corpus_fails_with_reasons_or_is_processed(
 
 
 def test_file_still_being_written_is_not_taken_early(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """A PDF written slowly in place is not accepted until it has settled, then processed whole."""
     src = (corpus_dir / "good/scan_us-supreme-court-opinion.pdf").read_bytes()
@@ -288,14 +150,14 @@ def test_file_still_being_written_is_not_taken_early(
         time.sleep(0.3)
     thread.join()
     assert not seen_early, f"taken while still being written: {seen_early}"
-    jobs = daemon.wait_jobs_finished({name})
+    jobs = daemon.wait_jobs_final({name}, JOB_TIMEOUT)
     assert jobs[name]["state"] in ("done", "partial")
     assert jobs[name]["size"] == len(src)
     doc = json.loads((daemon.output / "slow-writer" / "slow-writer.json").read_text())
     assert len(doc["pages"]) == 2
 
 
-def test_read_commands_answer_with_versioned_results(daemon: DaemonUnderTest) -> None:
+def test_read_commands_answer_with_versioned_results(daemon: Daemon) -> None:
     """status, queue, gpu and version over the real socket, in the shapes SPEC §2 names."""
     status = daemon.ctl_json("status")
     assert status["v"] == 1
@@ -317,18 +179,13 @@ def test_read_commands_answer_with_versioned_results(daemon: DaemonUnderTest) ->
     assert "ready" in text and "queue" in text
 
 
-def test_pause_cancel_retry_resume(daemon: DaemonUnderTest, corpus_dir: Path) -> None:
+def test_pause_cancel_retry_resume(daemon: Daemon, corpus_dir: Path) -> None:
     """Paused: a dropped file is accepted but no page is sent. cancel → failed/ with reason
     'cancelled'; retry → back in the queue; resume → it completes."""
     assert daemon.ctl_json("pause")["state"] == "paused"
     name = "paused-brochure.pdf"
     drop(corpus_dir / "good/scan_two-column-brochure_linn.pdf", daemon.inbox, name)
-    deadline = time.monotonic() + 60
-    job = None
-    while time.monotonic() < deadline and job is None:
-        job = next((j for j in daemon.jobs() if Path(j["path"]).name == name), None)
-        time.sleep(0.3)
-    assert job is not None, "not accepted while paused"
+    job = daemon.wait_job(name, "accepted while paused", 60)
     time.sleep(3)
     job = next(j for j in daemon.jobs() if j["id"] == job["id"])
     assert job["pages_done"] == 0, "a page was dispatched while paused"
@@ -342,11 +199,11 @@ def test_pause_cancel_retry_resume(daemon: DaemonUnderTest, corpus_dir: Path) ->
     assert daemon.ctl_json("retry", str(job["id"]))["retried"] == [job["id"]]
     assert not (daemon.failed / name).exists() and (daemon.inbox / name).exists()
     assert daemon.ctl_json("resume")["state"] == "running"
-    jobs = daemon.wait_jobs_finished({name})
+    jobs = daemon.wait_jobs_final({name}, JOB_TIMEOUT)
     assert jobs[name]["state"] in ("done", "partial") and (daemon.done / name).exists()
 
 
-def test_rescan_and_forbidden_and_unknown(daemon: DaemonUnderTest) -> None:
+def test_rescan_and_forbidden_and_unknown(daemon: Daemon) -> None:
     """rescan answers with a count; a malformed request gets a clear error and the daemon
     keeps serving."""
     assert isinstance(daemon.ctl_json("rescan")["candidates"], int)
@@ -360,7 +217,7 @@ def test_rescan_and_forbidden_and_unknown(daemon: DaemonUnderTest) -> None:
     assert daemon.status() is not None
 
 
-def test_reload_refuses_invalid_config_and_keeps_the_old(daemon: DaemonUnderTest) -> None:
+def test_reload_refuses_invalid_config_and_keeps_the_old(daemon: Daemon) -> None:
     """A reload of a config with an unknown key is refused with the key named; the daemon
     keeps running with the old config."""
     original = daemon.config.read_text()
@@ -376,7 +233,7 @@ def test_reload_refuses_invalid_config_and_keeps_the_old(daemon: DaemonUnderTest
 
 
 def test_page_cut_at_max_output_tokens_is_kept_and_marked_truncated(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """With ocr.max_output_tokens below the stand-in's answer, the answer ends with
     finish_reason "length": as in Chandra's client the cut-off text is kept, the page costs
@@ -390,7 +247,7 @@ def test_page_cut_at_max_output_tokens_is_kept_and_marked_truncated(
         reloaded = json.loads(daemon.ctl("reload", "--wait", "--json").stdout)
         assert reloaded["engine_restart"] is False
         drop(corpus_dir / "good/image_hi-devanagari.png", daemon.inbox, name)
-        jobs = daemon.wait_jobs_finished({name})
+        jobs = daemon.wait_jobs_final({name}, JOB_TIMEOUT)
     finally:
         daemon.config.write_text(original)
         daemon.ctl("reload", "--wait")
@@ -406,7 +263,7 @@ def test_page_cut_at_max_output_tokens_is_kept_and_marked_truncated(
 
 
 def test_reload_with_engine_change_restarts_engine_with_new_settings(
-    daemon: DaemonUnderTest
+    daemon: Daemon
 ) -> None:
     """reload --wait with a changed engine knob restarts the engine and returns once the
     new settings are in effect; status answers throughout."""
@@ -420,26 +277,24 @@ def test_reload_with_engine_change_restarts_engine_with_new_settings(
     assert after["pid"] != before["pid"]
 
 
-def test_engine_restart_command_and_status_while_loading(daemon: DaemonUnderTest) -> None:
+def test_engine_restart_command_and_status_while_loading(daemon: Daemon) -> None:
     """chandractl engine restart: status keeps answering while the engine loads, then ready."""
     before = daemon.ctl_json("status")["engine"]["pid"]
     daemon.ctl("engine", "restart")
     states = set()
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
+
+    def back() -> bool:
         status = daemon.status()
         assert status is not None, "status did not answer while the engine restarted"
         states.add(status["engine"]["state"])
-        if status["engine"]["state"] == "ready" and status["engine"]["pid"] != before:
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError(f"engine not back: {states}")
+        return bool(status["engine"]["state"] == "ready" and status["engine"]["pid"] != before)
+
+    daemon.wait_for("engine back with a new pid", back, READY_TIMEOUT, every=0.5)
     assert "starting" in states
 
 
 def test_engine_killed_mid_document_loses_no_page(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """kill -9 of the engine's API server while a 117-page document is in flight: the
     engine comes back and the document completes with every page."""
@@ -456,11 +311,9 @@ def test_engine_killed_mid_document_loses_no_page(
     members = session_members(engine_pid)
     os.kill(engine_pid, signal.SIGKILL)
     t0 = time.monotonic()
-    deadline = t0 + 60
-    while (daemon.status() or {}).get("engine", {}).get("restarts", 0) <= restarts_before:
-        assert time.monotonic() < deadline, "engine failure not noticed"
-        time.sleep(0.5)
-    jobs = daemon.wait_jobs_finished({name}, timeout=READY_TIMEOUT + 600)
+    daemon.wait_for("engine failure noticed", lambda: (daemon.status() or {}).get(
+        "engine", {}).get("restarts", 0) > restarts_before, 60, every=0.5)
+    jobs = daemon.wait_jobs_final({name}, READY_TIMEOUT + 600)
     assert jobs[name]["id"] == job["id"]
     assert jobs[name]["state"] in ("done", "partial")
     assert jobs[name]["pages_done"] + jobs[name]["pages_failed"] == pages
@@ -472,19 +325,15 @@ def test_engine_killed_mid_document_loses_no_page(
     print(f"\nengine kill -9 mid-document: job finished {time.monotonic() - t0:.1f}s later")
 
 
-def wait_under_way(daemon: DaemonUnderTest, name: str, pages: int) -> dict[str, Any]:
+def wait_under_way(daemon: Daemon, name: str, pages: int) -> dict[str, Any]:
     """Wait until the job for ``name`` has some pages done and most still to do."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        job = next((j for j in daemon.jobs() if Path(j["path"]).name == name), None)
-        if job and job["state"] == "running" and 2 <= job["pages_done"] < pages // 2:
-            return job
-        time.sleep(0.1)
-    raise AssertionError(f"{name} never got under way: {daemon.jobs()[-3:]}")
+    return daemon.wait_job(name, "under way (running, 2 pages done, most to do)", 300,
+                           lambda j: j["state"] == "running" and 2 <= j["pages_done"] < pages // 2,
+                           every=0.1)
 
 
 def test_daemon_kill9_resumes_without_recompute_or_duplicates(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """kill -9 of the daemon mid-document, then a restart: the document completes, pages
     finished before the crash are not recomputed, and no output is written twice."""
@@ -495,9 +344,7 @@ def test_daemon_kill9_resumes_without_recompute_or_duplicates(
     status = daemon.status()
     assert status is not None and status["engine"]["pid"]
     old_engine = session_members(status["engine"]["pid"])
-    assert daemon.proc is not None
-    daemon.proc.kill()
-    daemon.proc.wait()
+    daemon.kill9()
     with daemon.db() as db:
         done_before = dict(db.execute(
             "SELECT page_index, finished_at FROM pages WHERE job_id=? AND state='done'",
@@ -505,12 +352,12 @@ def test_daemon_kill9_resumes_without_recompute_or_duplicates(
     assert done_before, "no page finished before the crash"
 
     daemon.start()
-    daemon.wait_engine_ready()
+    daemon.wait_engine_ready(READY_TIMEOUT, every=1.0)
     # The old engine (API server, EngineCore, workers) is stopped at the restart, though
     # vLLM's renamed processes no longer carry chandrad's token in their environment.
     left = {p: process_name(p) for p in old_engine if Path(f"/proc/{p}").exists()}
     assert not left, left
-    jobs = daemon.wait_jobs_finished({name})
+    jobs = daemon.wait_jobs_final({name}, JOB_TIMEOUT)
     assert jobs[name]["id"] == job_id, "the same job resumed, not a new one"
     with daemon.db() as db:
         after = dict(db.execute(
@@ -531,16 +378,13 @@ def test_daemon_kill9_resumes_without_recompute_or_duplicates(
 
 
 def test_drain_finishes_accepted_work_and_refuses_new(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """drain --wait: an accepted file completes, then the daemon reports drained and a file
     dropped afterwards is left untouched in the inbox."""
     name = "before-drain.jpg"
     drop(corpus_dir / "good/image_us-senate-document-1870s.jpg", daemon.inbox, name)
-    deadline = time.monotonic() + 60
-    while not any(Path(j["path"]).name == name for j in daemon.jobs()):
-        assert time.monotonic() < deadline, "not accepted"
-        time.sleep(0.2)
+    daemon.wait_job(name, "accepted", 60, every=0.2)
     result = json.loads(daemon.ctl("drain", "--wait", "--json", timeout=JOB_TIMEOUT).stdout)
     assert result["state"] == "drained"
     assert (daemon.done / name).exists()
@@ -551,16 +395,14 @@ def test_drain_finishes_accepted_work_and_refuses_new(
     assert daemon.ctl("rescan", check=False).returncode == 1
 
 
-def test_sigterm_stops_cleanly_and_leaves_no_engine(daemon: DaemonUnderTest) -> None:
+def test_sigterm_stops_cleanly_and_leaves_no_engine(daemon: Daemon) -> None:
     """SIGTERM: the daemon drains, stops the engine, and exits 0 within the stop bound."""
     status = daemon.status()
     assert status is not None
     engine_pid = status["engine"]["pid"]
     assert engine_pid
-    assert daemon.proc is not None
     t0 = time.monotonic()
-    daemon.proc.send_signal(signal.SIGTERM)
-    code = daemon.proc.wait(timeout=120)
+    code = daemon.stop(120)
     elapsed = time.monotonic() - t0
     assert code == 0, daemon.tail()
     assert not session_members(engine_pid)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -17,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_daemon import DaemonUnderTest, drop
+from daemon_harness import OCR_REAL_ENGINE, Daemon, Job, drop, real_engine
 
 from chandrad import names
-from chandrad.engine.process import session_members
 
 pytestmark = pytest.mark.engine
 
@@ -30,67 +28,21 @@ HOSTILE = (b"caf\xe9.png", b"two\nlines.png", LONG)
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
-           free_port: Callable[[], int]) -> Iterator[DaemonUnderTest]:
+           free_port: Callable[[], int]) -> Iterator[Daemon]:
     if os.geteuid() != 0:
         pytest.skip("the output folder is a real tmpfs: mounting it needs root")
-    root = tmp_path_factory.mktemp("faults")
-    d = DaemonUnderTest(
-        root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
-        inbox=root / "inbox", output=root / "output", done=root / "done",
-        failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
-        log_path=root / "daemon.log",
-    )
-    d.output.mkdir()
+    d = Daemon(tmp_path_factory.mktemp("faults"),
+               real_engine(tiny_model_dir, port=free_port(), max_num_seqs=8,
+                           stable_seconds=None),
+               settle=0.5, poll_interval=None, ocr=OCR_REAL_ENGINE)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d.output)],
                    check=True)
-    d.config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{d.inbox}"
-output = "{d.output}"
-done = "{d.done}"
-failed = "{d.failed}"
-settle_seconds = 0.5
-
-[ocr]
-max_output_tokens = 48
-retries = 1
-request_timeout = 120
-
-[engine]
-model = "{tiny_model_dir}"
-served_model_name = "chandra"
-port = {free_port()}
-startup_timeout = 600
-stop_timeout = 15
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-
-[engine.memory]
-max_num_seqs = 8
-max_model_len = 4096
-
-[control]
-socket = "{d.socket}"
-""")
     try:
         d.start()
-        print(f"\nengine ready after {d.wait_engine_ready():.1f}s")
+        print(f"\nengine ready after {d.wait_engine_ready(600, every=1.0):.1f}s")
         yield d
     finally:
-        if d.proc is not None and d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-            try:
-                d.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait()
-        session = root / "state" / "engine.session"
-        if session.exists():
-            for pid in session_members(int(session.read_text())):
-                os.kill(pid, signal.SIGKILL)
+        d.cleanup(grace=120)
         subprocess.run(["umount", "-l", str(d.output)], check=False)
 
 
@@ -105,23 +57,13 @@ def fill(path: Path) -> None:
         os.close(fd)
 
 
-def job_named(d: DaemonUnderTest, name: str) -> dict[str, Any] | None:
-    return next((j for j in d.jobs() if Path(j["path"]).name == name), None)
-
-
-def wait_state(d: DaemonUnderTest, name: str, states: set[str],
-               timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = job_named(d, name)
-        if job is not None and job["state"] in states:
-            return job
-        time.sleep(0.5)
-    raise AssertionError(f"{name} never {states}: {job_named(d, name)}\n{d.tail()}")
+def wait_state(d: Daemon, name: str, states: set[str], timeout: float = 300) -> Job:
+    return d.wait_job(name, f"state in {sorted(states)}", timeout,
+                      lambda job: job["state"] in states, every=0.5)
 
 
 def test_full_output_disk_holds_the_job_and_resumes_without_recompute(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """Output tmpfs full: the job is held (output_unwritable), its input stays in the inbox,
     no output is left half written, status shows it held, the log has one warning and no
@@ -161,7 +103,7 @@ def test_full_output_disk_holds_the_job_and_resumes_without_recompute(
 
 
 def test_hostile_names_are_processed_end_to_end(
-    daemon: DaemonUnderTest, corpus_dir: Path
+    daemon: Daemon, corpus_dir: Path
 ) -> None:
     """Not-UTF-8, newline and 255-byte names: done/ keeps each exact bytes name, outputs
     land under safe (valid UTF-8, one line, NAME_MAX) names, the queue shows display forms."""
@@ -172,14 +114,15 @@ def test_hostile_names_are_processed_end_to_end(
             fh.write(src)
         os.rename(inbox + b"/.incoming.part", inbox + b"/" + raw)
     shown = {names.display(os.fsdecode(raw)) for raw in HOSTILE}
-    deadline = time.monotonic() + 300
     jobs: dict[str, dict[str, Any]] = {}
-    while time.monotonic() < deadline:
-        jobs = {j["path"]: j for j in daemon.jobs() if j["path"] in shown}
-        if len(jobs) == len(shown) and all(j["state"] in ("done", "partial", "failed")
-                                           for j in jobs.values()):
-            break
-        time.sleep(0.5)
+
+    def all_final() -> bool:
+        jobs.clear()
+        jobs.update({j["path"]: j for j in daemon.jobs() if j["path"] in shown})
+        return len(jobs) == len(shown) and all(j["state"] in ("done", "partial", "failed")
+                                               for j in jobs.values())
+
+    daemon.wait_for("the hostile names final", all_final, 300, every=0.5)
     assert {p: j["state"] for p, j in jobs.items()} == {p: "done" for p in shown}, \
         daemon.tail()
     done = set(os.listdir(os.fsencode(daemon.done)))

@@ -13,10 +13,8 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_daemon import DaemonUnderTest, drop
-
-from chandrad.engine.process import session_members
+from daemon_harness import OCR_REAL_ENGINE, Daemon, drop, real_engine, table, terminate
+from waiting import wait_until
 
 pytestmark = [
     pytest.mark.engine,
@@ -45,7 +42,7 @@ BAD_DOC = "bad/broken_zero-length.pdf"
 
 @dataclass
 class Stack:
-    daemon: DaemonUnderTest
+    daemon: Daemon
     metrics_url: str
     prometheus_url: str
     root: Path
@@ -63,62 +60,18 @@ class Stack:
         return float(result[0]["value"][1]) if result else None
 
     def wait_value(self, expr: str, expected: float, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.value(expr) == expected:
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"{expr} = {self.query(expr)}, expected {expected}")
+        wait_until(lambda: self.value(expr) == expected, timeout, f"{expr} == {expected}",
+                   every=0.5, context=lambda: f"{expr} = {self.query(expr)}")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
           free_port: Callable[[], int]) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("metrics-e2e")
-    d = DaemonUnderTest(
-        root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
-        inbox=root / "inbox", output=root / "output", done=root / "done",
-        failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
-        log_path=root / "daemon.log")
     metrics_port, engine_port, prom_port = free_port(), free_port(), free_port()
-    d.config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{d.inbox}"
-output = "{d.output}"
-done = "{d.done}"
-failed = "{d.failed}"
-settle_seconds = 1.0
-poll_interval = 0.5
-
-[ocr]
-max_output_tokens = 48
-retries = 1
-request_timeout = 120
-max_in_flight = 1
-
-[engine]
-model = "{tiny_model_dir}"
-served_model_name = "chandra"
-port = {engine_port}
-startup_timeout = 600
-stop_timeout = 15
-stable_seconds = 5
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-
-[engine.memory]
-max_num_seqs = 16
-max_model_len = 4096
-
-[control]
-socket = "{d.socket}"
-
-[metrics]
-listen = "127.0.0.1:{metrics_port}"
-""")
+    d = Daemon(root, real_engine(tiny_model_dir, port=engine_port), settle=1.0,
+               ocr={**OCR_REAL_ENGINE, "max_in_flight": 1},
+               tables=table("metrics", {"listen": f"127.0.0.1:{metrics_port}"}))
     prom_dir = root / "prometheus"
     prom_dir.mkdir()
     (prom_dir / "prometheus.yml").write_text(f"""
@@ -138,27 +91,13 @@ scrape_configs:
         stdout=prom_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     d.start()
     try:
-        print(f"\nengine ready after {d.wait_engine_ready():.1f}s")
+        print(f"\nengine ready after {d.wait_engine_ready(600, every=1.0):.1f}s")
         yield Stack(d, f"http://127.0.0.1:{metrics_port}/metrics",
                     f"http://127.0.0.1:{prom_port}", root)
     finally:
-        prom.send_signal(signal.SIGTERM)
-        try:
-            prom.wait(30)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait()
-        if d.proc is not None and d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-            try:
-                d.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait()
-        session = root / "state" / "engine.session"
-        if session.exists():
-            for pid in session_members(int(session.read_text())):
-                os.kill(pid, signal.SIGKILL)
+        terminate(prom, 30)
+        prom_log.close()
+        d.cleanup(grace=60)
 
 
 def _capture(session: str) -> str:
@@ -184,15 +123,15 @@ def test_top_in_a_terminal_shows_progress_and_quits_on_q(stack: Stack,
         drop(corpus_dir / LONG_DOC, d.inbox)
         drop(corpus_dir / BAD_DOC, d.inbox)
         seen: dict[int, str] = {}  # pages done -> the screen that showed it
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
+
+        def long_doc_finished() -> bool:
             screen = _capture(session)
             for done in re.findall(r"\b(\d+)/15\b", screen):
                 seen.setdefault(int(done), screen)
-            jobs = {Path(j["path"]).name: j for j in d.jobs()}
-            if jobs.get(Path(LONG_DOC).name, {}).get("state") in ("done", "partial"):
-                break
-            time.sleep(0.3)
+            job = d.job(Path(LONG_DOC).name)
+            return job is not None and job["state"] in ("done", "partial")
+
+        d.wait_for("the 15-page document finished", long_doc_finished, 600)
         final = _capture(session)
         partway = sorted(n for n in seen if 0 < n < 15)
         assert len(partway) >= 2, f"progress seen: {sorted(seen)}\n{final}"
@@ -203,10 +142,9 @@ def test_top_in_a_terminal_shows_progress_and_quits_on_q(stack: Stack,
         assert "━" in screen  # the progress bar
         assert "broken_zero-length.pdf" in final and "recent failures" in final, final
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True, timeout=10)
-        deadline = time.monotonic() + 20
-        while not rc_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert rc_file.exists() and rc_file.read_text().strip() == "0", _capture(session)
+        wait_until(rc_file.exists, 20, "top exited after q", every=0.2,
+                   context=lambda: _capture(session))
+        assert rc_file.read_text().strip() == "0", _capture(session)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, timeout=10)
     piped = d.ctl("top", "-n", "2", "--interval", "0.2")
@@ -224,7 +162,7 @@ def test_prometheus_scrapes_the_daemon(stack: Stack, corpus_dir: Path,
     `promtool check metrics`, and every chandrad_* name the rules and dashboard use is in it."""
     d = stack.daemon
     drop(corpus_dir / "good/image_numeric-table-scan.tif", d.inbox)
-    d.wait_jobs_finished({"image_numeric-table-scan.tif"})
+    d.wait_jobs_final({"image_numeric-table-scan.tif"}, 600)
     jobs = d.jobs()
     pages_done = sum(int(j["pages_done"] or 0) for j in jobs)
     pages_failed = sum(int(j["pages_failed"] or 0) for j in jobs)

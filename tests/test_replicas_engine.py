@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_daemon import drop
+from daemon_harness import drop
 from test_replicas_daemon import port_pair
 
 from chandrad.engine.session import EngineIdentity, stale_engine_pids

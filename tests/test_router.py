@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from daemon_harness import OCR_REAL_ENGINE, Daemon, drop
 from standin_engine import API_SERVER_MODULE, write_standin
-from test_daemon import DaemonUnderTest, drop
 from test_daemon_service import ctl, wait_answering, write_config
 from test_supervision import start_daemon, status, wait_engine
 from test_systemd import _tool
@@ -455,7 +455,7 @@ def test_engine_killed_behind_the_router_loses_no_page(
     engines = [start_cpu_engine(vllm_python, tiny_model_dir, free_port(), core,
                                 root / f"engine{core}.log") for core in (0, 1)]
     router: Router | None = None
-    daemon: DaemonUnderTest | None = None
+    daemon: Daemon | None = None
     try:
         t0 = time.monotonic()
         while not all(e.healthy() for e in engines):
@@ -467,14 +467,9 @@ def test_engine_killed_behind_the_router_loses_no_page(
         router = start_router([e.url for e in engines], free_port(), free_port(),
                               root / "router.log")
         router.wait_ready(healthy=2)
-        daemon = DaemonUnderTest(
-            root=root, config=root / "chandrad.toml", socket=root / "run" / "control.sock",
-            inbox=root / "inbox", output=root / "output", done=root / "done",
-            failed=root / "failed", state_db=root / "state" / "chandrad.sqlite3",
-            log_path=root / "daemon.log")
-        daemon.config.write_text(contrib_config(root, daemon, router.url))
+        daemon = Daemon(root, contrib_engine(router.url), settle=1.0, ocr=OCR_REAL_ENGINE)
         daemon.start()
-        daemon.wait_engine_ready()
+        daemon.wait_engine_ready(600, every=1.0)
         names = {}
         for rel, pages in DOCUMENTS.items():
             names[drop(corpus_dir / rel, daemon.inbox).name] = pages
@@ -491,7 +486,7 @@ def test_engine_killed_behind_the_router_loses_no_page(
         print(f"killed the engine on core {killed.core} at "
               f"{sum(j['pages_done'] for j in daemon.jobs())}/{total} pages done; "
               f"answered so far per core {before}")
-        jobs = daemon.wait_jobs_finished(set(names), timeout=900)
+        jobs = daemon.wait_jobs_final(set(names), 900)
         print(f"all {total} pages finished {time.monotonic() - t_kill:.0f}s after the kill")
         for name, pages in names.items():
             job = jobs[name]
@@ -517,47 +512,18 @@ def test_engine_killed_behind_the_router_loses_no_page(
         assert before[killed.core] > 0 and before[survivor.core] > 0, "pages did not spread"
         assert survivor_total < total, "the killed engine answered no page that counted"
     finally:
-        if daemon is not None and daemon.proc is not None and daemon.proc.poll() is None:
-            daemon.proc.send_signal(signal.SIGTERM)
-            try:
-                daemon.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                daemon.proc.kill()
-                daemon.proc.wait()
+        if daemon is not None:
+            daemon.cleanup(grace=60)
         if router is not None:
             router.stop()
         for e in engines:
             stop_engine(e)
 
 
-def contrib_config(root: Path, daemon: DaemonUnderTest, url: str) -> str:
-    """A chandrad config whose [engine] is contrib/router/chandrad-router.toml at ``url``,
-    with the test suite's small page budget."""
+def contrib_engine(url: str) -> str:
+    """contrib/router/chandrad-router.toml's [engine] at ``url``, with the test suite's
+    small page budget."""
     engine = (CONTRIB / "chandrad-router.toml").read_text().replace(
         'url = "http://127.0.0.1:30000"', f'url = "{url}"')
     assert f'url = "{url}"' in engine
-    return f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{daemon.inbox}"
-output = "{daemon.output}"
-done = "{daemon.done}"
-failed = "{daemon.failed}"
-settle_seconds = 1.0
-poll_interval = 0.5
-
-[ocr]
-max_output_tokens = 48
-retries = 1
-request_timeout = 120
-
-[control]
-socket = "{daemon.socket}"
-
-{engine}
-[engine.memory]
-max_num_seqs = 32
-"""
+    return f"{engine}\n[engine.memory]\nmax_num_seqs = 32\n"
