@@ -34,8 +34,11 @@ DATA2 = DATA.with_name("real_excerpts_holdout2.jsonl")
 #: Round 3: new dev data (``dev3``) and a fresh hold-out (``holdout3``), labelled before the
 #: classifier was run on them.
 DATA3 = DATA.with_name("real_excerpts_round3.jsonl")
+#: Round 4: new dev data (``dev4``) and a fresh hold-out (``holdout4``), committed before the
+#: classifier was run on them.
+DATA4 = DATA.with_name("real_excerpts_round4.jsonl")
 #: The splits whose individual misses may be listed (and so tuned on).
-DEV_SPLITS = frozenset({"dev", "dev3"})
+DEV_SPLITS = frozenset({"dev", "dev3", "dev4"})
 
 MEMORY_CLASSES = frozenset(
     {
@@ -91,11 +94,13 @@ class Report:
 
 def load(split: str, path: Path = DATA) -> list[dict[str, Any]]:
     """The excerpts of one split: "dev", "holdout", "all" (both) of the first file,
-    "holdout2" of the second, "dev3" / "holdout3" of round 3."""
+    "holdout2" of the second, "dev3" / "holdout3" of round 3, "dev4" / "holdout4" of round 4."""
     if path == DATA and split == "holdout2":
         path = DATA2
     elif path == DATA and split in ("dev3", "holdout3"):
         path = DATA3
+    elif path == DATA and split in ("dev4", "holdout4"):
+        path = DATA4
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if split == "all" or r["split"] == split]
 
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--split",
-        choices=["holdout", "dev", "all", "holdout2", "dev3", "holdout3"],
+        choices=["holdout", "dev", "all", "holdout2", "dev3", "holdout3", "dev4", "holdout4"],
         default="holdout",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -154,6 +154,31 @@ def test_dev3_excerpt(case: dict[str, Any]) -> None:
     assert d.cls is FailureClass(case["label"]), (case["source"], d)
 
 
+# --------------------------------------------------------------------------- round 4
+# real_excerpts_round4.jsonl: committed before the classifier was run on it (pre-registration);
+# dev4 may be tuned on, holdout4 is scored once afterwards.
+
+
+def test_round4_split_is_fixed_by_salted_url_hash_and_disjoint() -> None:
+    """Round 4's split is a function of the URL (salt "round4"), and neither its threads nor
+    its texts are in an earlier file."""
+    import hashlib
+
+    rows = BENCH.load("dev4") + BENCH.load("holdout4")
+    assert len(rows) >= 75
+    assert len(BENCH.load("holdout4")) >= 25
+    earlier_rows = BENCH.load("all") + BENCH.load("holdout2") + BENCH.load("dev3")
+    earlier_rows += BENCH.load("holdout3")
+    earlier_urls = {u for r in earlier_rows for u in r["source"].split()}
+    earlier_texts = {" ".join(r["text"].split()) for r in earlier_rows}
+    for row in rows:
+        bucket = int(hashlib.sha256(("round4:" + row["source"]).encode()).hexdigest(), 16) % 3
+        assert row["split"] == ("holdout4" if bucket == 0 else "dev4"), row["id"]
+        assert row["source"].startswith("https://github.com/"), row["id"]
+        assert row["source"] not in earlier_urls, row["id"]
+        assert " ".join(row["text"].split()) not in earlier_texts, row["id"]
+
+
 # --------------------------------------------------------------------------- the kinds of miss
 # Short texts in the wordings that the real excerpts showed; each failed before the change.
 
