@@ -7,7 +7,8 @@ How it decides, in order of strength:
 
 1. Each line is cleaned (ANSI colours, HTML colour tags, timestamps, the
    ``(EngineCore_DP0 pid=..)`` / ``(VllmWorker rank=0 pid=..)`` process tags,
-   ``LEVEL date [file.py:N]`` headers, quote bars) and its log level noted. A line
+   ``LEVEL date [file.py:N]`` headers, quote bars, a log multiplexer's name column such as
+   docker compose's ``vllm  | ``) and its log level noted. A line
    logged at INFO, DEBUG or WARNING never proves a failure: vLLM prints plenty of
    benign lines that mention memory, KV cache and even OOM hints.
 2. vLLM's own failure messages (templates in ``vllm/v1/core/kv_cache_utils.py``,
@@ -30,7 +31,9 @@ How it decides, in order of strength:
    ``determine_available_memory``, KV cache allocation, warm-up, CUDA graph capture,
    V0's ``CacheEngine``) against the serving loop (``run_busy_loop``, V0's
    ``run_engine_loop``/``_log_task_completion``, sleep-mode ``wake_up``, request
-   handlers, throughput lines). With both present the marker nearest the error wins.
+   handlers, throughput lines). With both present the marker nearest the error wins; with
+   neither, a model forward, the sampler or the sleep-mode allocator (all mostly serving
+   work) tips it to runtime.
    An OOM reported *through* NCCL ("Cuda failure 'out of memory'") is a device
    allocation failure, not a communication fault: restarting with the same memory
    settings would fail the same way, so it joins the OOM classes (subclass
@@ -113,7 +116,9 @@ _LEVELS = {
     "E": "ERROR",
     "F": "ERROR",
 }
-# Leading decorations, stripped repeatedly. Group "lvl" records a log level.
+# Leading decorations, stripped repeatedly. Group "lvl" records a log level. The last one is
+# the name column that log multiplexers put before every line: docker compose's service
+# ("vllm  | ", "intel-gpu-vllm  | "), FastChat's stream ("... | ERROR | stderr | ").
 _PREFIX = re.compile(
     r"""^(?:
         \s+
@@ -128,6 +133,7 @@ _PREFIX = re.compile(
       | (?P<lvl3>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b:?
         (?:\s+\d\d-\d\d\s+[\d:.]+)?(?:\s+\d+(?=\s))?(?:\s+\[?[\w./<>-]+\.py:\d+\])?
       | \[?[\w./<>-]+\.py:\d+\]
+      | [A-Za-z][\w.-]*\s+\|(?=\s|$)
     )""",
     re.VERBOSE,
 )
@@ -571,7 +577,13 @@ _SERVING_FRAMES = re.compile(
 # run too but mostly while serving; a KV cache already sized means profiling is over (the
 # start-up steps left, warm-up and graph capture, print markers of their own).
 _WEAK_SERVING = re.compile(
-    r"\bexecute_model\b|# (?:GPU|CUDA) blocks: [1-9]|GPU KV cache size: [1-9]", _I
+    r"\bexecute_model\b|# (?:GPU|CUDA) blocks: [1-9]|GPU KV cache size: [1-9]"
+    # The sampler (V0 layers/sampler.py, V1 v1/sample/sampler.py): its start-up warm-up shows
+    # its own frame (_dummy_sampler_run, profile_run), so sampler frames alone mean a batch.
+    r"|\bsampler\.py\b|\bget_logprobs\b"
+    # vLLM's sleep-mode allocator: it maps memory when a sleeping engine is woken up.
+    r"|\bcumem_allocator\b",
+    _I,
 )
 
 _ACTIONS: dict[FailureClass, str] = {
