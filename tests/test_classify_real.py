@@ -109,7 +109,7 @@ def test_second_holdout_does_not_regress() -> None:
 
 def test_no_false_memory_call_anywhere() -> None:
     """No excerpt of any file with a non-memory label is called a memory failure."""
-    for split in ("all", "holdout2", "dev3"):
+    for split in ("all", "holdout2", "dev3", "dev4", "holdout4"):
         assert BENCH.evaluate(split).false_memory_calls == 0, split
 
 
@@ -208,6 +208,19 @@ def test_dev4_excerpt(case: dict[str, Any]) -> None:
     """Every round-4 dev excerpt classifies to its hand label."""
     d = classify(case["text"])
     assert d.cls is FailureClass(case["label"]), (case["source"], d)
+
+
+#: The round-4 hold-out, scored once after the round-4 classifier was committed: 29 of 33 with
+#: no false memory call (main before round 4: 28 of 33). Its misses were not looked at.
+HOLDOUT4_CORRECT = 29
+
+
+def test_fourth_holdout_does_not_regress() -> None:
+    """The round-4 hold-out stays at or above its score, with no false memory call."""
+    report = BENCH.evaluate("holdout4")
+    assert report.total == 33
+    assert report.correct >= HOLDOUT4_CORRECT, BENCH.render(report)
+    assert report.false_memory_calls == 0, BENCH.render(report)
 
 
 # --------------------------------------------------------------------------- the kinds of miss
