@@ -105,7 +105,7 @@ def all_final(d: Daemon, files: int) -> bool:
     Stricter than "every name's newest job is final" only when an older job of a name is
     still open, which waits for it too.
     """
-    if not d.db_path.exists():
+    if not d.has_store():
         return False
     with d.db() as conn:
         open_jobs = conn.execute("SELECT COUNT(*) FROM jobs WHERE state IN "

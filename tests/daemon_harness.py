@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -415,9 +416,19 @@ class Daemon:
         """The store, read-only (what survives a ``kill -9``)."""
         return sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
 
+    def has_store(self) -> bool:
+        """Whether the daemon has created its store's tables: the database file appears
+        (at connect) before its schema, so a reader polling from the daemon's first
+        moments sees a file with no ``jobs`` table for a while."""
+        if not self.db_path.exists():
+            return False
+        with closing(self.db()) as conn:
+            return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                                "AND name = 'pages'").fetchone() is not None
+
     def stored_jobs(self) -> list[Job]:
         """Every row of the store's ``jobs`` table, oldest first ([] before the store)."""
-        if not self.db_path.exists():
+        if not self.has_store():
             return []
         with self.db() as conn:
             conn.row_factory = sqlite3.Row
@@ -427,7 +438,7 @@ class Daemon:
 
     def done_pages(self) -> dict[tuple[int, int], float]:
         """(job, page) → finished_at for every committed page: a later change = done twice."""
-        if not self.db_path.exists():
+        if not self.has_store():
             return {}
         with self.db() as conn:
             return {(j, i): float(t) for j, i, t in conn.execute(
