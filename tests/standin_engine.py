@@ -23,7 +23,11 @@ read once at start, so that a test can change what the *next* generation does:
 * ``startup_s``: seconds of "loading" before it listens (default 0.5; 0 in a wrapper's).
 * ``free_fraction``: the GPU's free share; a larger ``--gpu-memory-utilization`` fails
   with vLLM's ValueError. ``kv_needs_eager``: no room for the KV cache unless
-  ``--enforce-eager``. ``setsid_grandchild``: leave a child in a session of its own.
+  ``--enforce-eager``. ``kv_late_s``: the same, but as the real CPU engine's log
+  (tests/fixtures/vllm_cpu_kv_insufficient.log) reached us on a loaded box: its
+  "EngineCore failed to start." line, the traceback ending in the KV-cache ValueError
+  ``kv_late_s`` seconds later, and then no exit. ``setsid_grandchild``: leave a child in
+  a session of its own.
 * ``check_flags``: the flag check's answers in turn (``ok``, ``bad_flag``,
   ``import_error``, ``killed``, ``sleep:S``; the last repeats).
 * ``per_port``: overrides for the replica on that port (replica i listens on port + i).
@@ -75,6 +79,8 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VERSION = "0.32.0"
 TOTAL_GIB = 79.19
 THIS = Path(__file__).resolve()
+#: vLLM 0.32's CPU engine failing for want of KV cache (estimated maximum model length 768).
+KV_LOG = THIS.parent / "fixtures" / "vllm_cpu_kv_insufficient.log"
 #: What a wrapper's engine does unless its scenario says otherwise: start and answer at
 #: once (the supervision tests count restarts, not seconds).
 WRAPPER_DEFAULTS = {"startup_s": 0.0, "delay_s": 0.0}
@@ -421,6 +427,20 @@ def _flags(argv: list[str]) -> argparse.Namespace:
     return p.parse_known_args(argv)[0]
 
 
+def _kv_late(pause_s: float) -> None:
+    """vLLM's real KV-cache failure, its first ERROR line ``pause_s`` before the rest;
+    then the process hangs on (only a signal ends it)."""
+    lines = KV_LOG.read_text().splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.endswith("EngineCore failed to start."))
+    last = next(i for i, ln in enumerate(lines) if i > first and "ValueError: To serve" in ln)
+    print(lines[first], file=sys.stderr, flush=True)
+    time.sleep(pause_s)
+    for line in lines[first + 1:last + 1]:
+        print(line, file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -465,6 +485,8 @@ def serve(scenario_path: Path | None, argv: list[str]) -> int:
             "conserving_memory/ for more details.")
         log("EngineCore_DP0", "ERROR", "core.py:708", "EngineCore failed to start.")
         return 1
+    if scenario.get("kv_late_s") is not None and not eager:
+        _kv_late(float(scenario["kv_late_s"]))
     log(who, "INFO", "model.py:733", "Resolved architecture: Idefics3ForConditionalGeneration")
     time.sleep(float(scenario.get("startup_s", 0.5)))
     if mode == "never_ready":

@@ -446,6 +446,32 @@ def test_ladder_does_not_bounce_between_two_profiles(
                                   enforce_eager=True)
 
 
+def test_kv_cache_verdict_that_arrives_after_engine_died_still_downshifts(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """On a loaded box vLLM's "EngineCore failed to start." (engine_died) reached us
+    seconds before the KV-cache ValueError behind it, and the engine had not exited when
+    EXIT_GRACE_AFTER_FATAL_LINE ran out. The failure is the KV cache (everything seen by
+    then), not the first line's engine_died: the next start is downshifted (enforce_eager,
+    as vLLM's estimate of 768 tokens cannot hold a page), not the same profile again."""
+    folder = tmp_path / "engine"
+    python = write_standin(folder, {"kv_late_s": 3.0})
+    sup = EngineSupervisor(engine_config(python, free_port()), OCR, gpu=GpuStandIn())
+
+    async def body(sup: EngineSupervisor) -> None:
+        await wait_until_async(lambda: len(spawns(folder)) >= 2, 60, "a second spawn")
+        failure = sup.last_failure
+        assert failure is not None and str(failure.cls) == "kv_cache_insufficient", failure
+        assert [s["eager"] for s in spawns(folder)] == [False, True]
+        await wait_until_async(lambda: sup.state in (EngineState.READY, EngineState.FATAL), 30,
+                               "ready or fatal")
+        assert sup.state is EngineState.READY, sup.fatal_reason
+        assert sup.profile == replace(sup.configured_profile, enforce_eager=True)
+        assert [c.failure for c in sup.profile_changes] == ["kv_cache_insufficient"]
+
+    supervise(sup, body)
+
+
 # ------------------------------------------------------------------ #7 learned key
 
 
