@@ -1,11 +1,12 @@
 """One spawned engine process ("a generation") and what identifies it on this host.
 
 Owns what belongs to a single spawn: its :class:`EngineProcess`, the classifier reading
-its lines, the first failure verdict and when it came, when it started and became ready
-(:class:`Generation`); the session file in the state dir that lets the next daemon stop
-an engine a killed one left behind (:class:`SessionFile`); and the port checks before a
-spawn and at readiness (a foreign listener is ``port_in_use``, never our engine).
-The supervisor decides; this module runs and inspects one process tree.
+its lines, its failure verdict on the lines so far and when the first failure line came,
+when it started and became ready (:class:`Generation`); the session file in the state
+dir that lets the next daemon stop an engine a killed one left behind
+(:class:`SessionFile`); and the port checks before a spawn and at readiness (a foreign
+listener is ``port_in_use``, never our engine). The supervisor decides; this module
+runs and inspects one process tree.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ _VLLM_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\b")
 
 @dataclass
 class Generation:
-    """What belongs to one spawned engine (or one probing round of a remote one)."""
+    """What belongs to one spawned engine (or one probing round of a remote one).
+
+    ``early`` is the classifier's verdict on every line seen so far (None until a line
+    proves a failure), ``early_at`` when the first failure line came: a later, more
+    specific line (vLLM's KV-cache ValueError behind its "EngineCore failed to start.")
+    replaces the verdict but does not restart the exit grace."""
 
     process: EngineProcess | None
     scanner: LineScanner = field(default_factory=LineScanner)
@@ -51,7 +57,8 @@ class Generation:
                   logger: structlog.typing.FilteringBoundLogger | None = None,
                   ) -> Callable[[str, str], None]:
         """Log each engine line at vLLM's own level and feed it to the classifier;
-        ``on_verdict`` is called once, at the first failure line."""
+        ``on_verdict`` is called once, at the first failure line; a later line that
+        changes the verdict updates ``early`` (the scanner judges its whole tail)."""
         out = logger or log
 
         def sink(stream: str, line: str) -> None:
@@ -63,14 +70,19 @@ class Generation:
                 method = "error"
             getattr(out, method)(Event.ENGINE_LINE, source="vllm", stream=stream, line=line)
             verdict = self.scanner.feed(line)
-            if verdict is not None and self.early is None:
-                self.early = verdict
+            if verdict is None:
+                return
+            first = self.early is None
+            self.early = verdict
+            if first:
                 self.early_at = time.monotonic()
                 on_verdict()
         return sink
 
     def verdict(self, exit_code: int | None, was_ready: bool) -> Diagnosis:
         """Why the engine ended: the classifier's verdict on its lines and exit status.
+        ``exit_code`` None: on everything seen so far, for an engine that has not exited
+        (given up on at the exit grace, or unresponsive); it may be asked again.
 
         A SIGKILL the kernel did not record as an OOM kill is an operator's or another
         program's (``killed``): restarted with the same profile, no downshift."""

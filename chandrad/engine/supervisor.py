@@ -565,7 +565,10 @@ class EngineSupervisor:
                 return
             now = time.monotonic()
             if gen.early is not None and now - gen.early_at > EXIT_GRACE_AFTER_FATAL_LINE:
-                self._fail(gen.early, exit_code=None)
+                # Decided on every line so far, not the first failure line: on a loaded
+                # box vLLM's ValueError can arrive seconds after "EngineCore failed to
+                # start." and the engine still not have exited.
+                self._fail(gen.verdict(None, was_ready=False), exit_code=None)
                 return
             if now > deadline:
                 self._fail(Diagnosis(
@@ -616,7 +619,7 @@ class EngineSupervisor:
                 failed_probes = 0 if healthy else failed_probes + 1
                 next_health = now + HEALTH_INTERVAL
                 if failed_probes >= HEALTH_FAILURES_TO_FAIL:
-                    diag = gen.early or Diagnosis(
+                    diag = gen.verdict(None, was_ready=True) if gen.early else Diagnosis(
                         cls=FailureClass.OTHER_FATAL,
                         evidence=f"/health failed {failed_probes} times in a row",
                         numbers={}, action="restart the engine", restartable=True,
