@@ -31,7 +31,11 @@ from chandrad.protocol import MAX_LINE_BYTES, encode_request
 def connect(path: Path, timeout: float = 5.0) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
-    sock.connect(str(path))
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 

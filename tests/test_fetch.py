@@ -109,6 +109,7 @@ def test_fetch_resumes_after_kill_9(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "no partial progress seen"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        proc.stdout.close()
         partial = list((tmp_path / "hf" / "models--org--tiny-ocr" / "blobs").glob(
             "*.chandrad-part"))
         assert partial and partial[0].stat().st_size > 0

@@ -89,6 +89,7 @@ scrape_configs:
          f"--storage.tsdb.path={prom_dir / 'data'}",
          f"--web.listen-address=127.0.0.1:{prom_port}"],
         stdout=prom_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    prom_log.close()  # Prometheus keeps its own copy
     d.start()
     try:
         print(f"\nengine ready after {d.wait_engine_ready(600, every=1.0):.1f}s")

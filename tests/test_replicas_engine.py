@@ -128,11 +128,12 @@ backoff = [1, 5]
 socket = "{root / 'run' / 'control.sock'}"
 """)
     log = root / "daemon.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET",
-                                                               "JOURNAL_STREAM")})
+    with log.open("ab") as out:  # the daemon keeps its own copy
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "chandrad", "run", "--config", str(config)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET",
+                                                                   "JOURNAL_STREAM")})
     r = Replicas(root, root / "run" / "control.sock", root / "inbox", log, proc)
     try:
         r.wait("daemon answering", lambda: r.socket.exists(), 120)

@@ -129,8 +129,9 @@ def start_router(workers: list[str], port: int, metrics_port: int, log: Path,
                                     "ROUTER_WORKERS": " ".join(workers)})
     assert argv[0] == "/usr/local/bin/vllm-router", argv
     argv = [str(router_binary()), *argv[1:], "--prometheus-port", str(metrics_port), *extra]
-    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    with log.open("ab") as out:  # the child keeps its own copy
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
     return Router(proc, f"http://127.0.0.1:{port}", metrics_port, log)
 
 
@@ -414,8 +415,9 @@ def start_cpu_engine(python: Path, model: Path, port: int, core: int, log: Path)
     # The OpenMP threads of vLLM's CPU backend bind to the same core (its "auto" would
     # spread them over every core of the machine).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    with log.open("ab") as out:  # the child keeps its own copy
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     return CpuEngine(proc, f"http://127.0.0.1:{port}", core, log)
 
 

@@ -88,6 +88,8 @@ def test_state_dir_lock_dies_with_its_process(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait(30)
+        if holder.stdout is not None:
+            holder.stdout.close()
     assert (tmp_path / LOCK_NAME).exists()
     Store.open(tmp_path).close()
 

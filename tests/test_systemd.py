@@ -44,6 +44,7 @@ def test_lifecycle_messages_in_order_and_utf8(notify_sock: tuple[socket.socket, 
     n.extend_timeout(30)
     n.stopping("draining 3 jobs")
     n.watchdog()
+    n.close()
     after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     got = [sock.recv(65536).decode("utf-8") for _ in range(7)]
     assert got[0] == "READY=1\nSTATUS=engine loading"
@@ -63,7 +64,9 @@ def test_lifecycle_messages_in_order_and_utf8(notify_sock: tuple[socket.socket, 
 def test_status_is_one_line(notify_sock: tuple[socket.socket, str]) -> None:
     """A multi-line status is flattened so systemctl shows one line."""
     sock, path = notify_sock
-    Notifier(path).status("reload failed:\n  engine.port: must be an integer\n")
+    n = Notifier(path)
+    n.status("reload failed:\n  engine.port: must be an integer\n")
+    n.close()
     assert sock.recv(65536).decode() == "STATUS=reload failed: engine.port: must be an integer"
 
 
@@ -74,7 +77,9 @@ def test_abstract_namespace_socket() -> None:
     sock.bind("\0" + name)
     sock.settimeout(2.0)
     try:
-        Notifier.from_env({"NOTIFY_SOCKET": "@" + name}).ready()
+        n = Notifier.from_env({"NOTIFY_SOCKET": "@" + name})
+        n.ready()
+        n.close()
         assert sock.recv(1024) == b"READY=1"
     finally:
         sock.close()
@@ -108,7 +113,8 @@ def test_watchdog_interval_is_half_and_respects_pid(notify_sock: tuple[socket.so
 def test_stalled_loop_stops_watchdog_pings(notify_sock: tuple[socket.socket, str]) -> None:
     """Pings flow while the loop reports progress and stop once it stalls."""
     sock, path = notify_sock
-    pinger = WatchdogPinger(Notifier.from_env({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000"}))
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000"})
+    pinger = WatchdogPinger(notifier)
     assert pinger.interval == pytest.approx(0.05)
     received: list[tuple[float, str]] = []
     stop = threading.Event()
@@ -140,6 +146,7 @@ def test_stalled_loop_stops_watchdog_pings(notify_sock: tuple[socket.socket, str
     finally:
         stop.set()
         thread.join()
+        notifier.close()
     healthy = [m for t, m in received if t <= stalled_at]
     late = [m for t, m in received if t > stalled_at + 0.1]  # one interval + slack
     assert len(healthy) >= 5 and set(healthy) == {"WATCHDOG=1"}

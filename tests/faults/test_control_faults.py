@@ -162,6 +162,9 @@ def server(tmp_path: Path) -> Iterator[Server]:
         if srv.proc.poll() is None:
             srv.proc.kill()
             srv.proc.wait()
+        for pipe in (srv.proc.stdin, srv.proc.stdout):  # communicate() closed them if it ran
+            if pipe is not None:
+                pipe.close()
 
 
 def status_once(path: Path, timeout: float = 10.0) -> float:
