@@ -141,7 +141,16 @@ def test_top_in_a_terminal_shows_progress_and_quits_on_q(stack: Stack,
         assert re.search(r"│\s*0\s*│\s*ready\s*│", screen), screen
         assert "running jobs" in screen and "digital_federal-register_15p.pdf" in screen
         assert "━" in screen  # the progress bar
-        assert "broken_zero-length.pdf" in final and "recent failures" in final, final
+        # top redraws every 0.5 s and the broken file may fail after the long document is
+        # done: wait for a screen that shows it rather than judging the one just captured.
+        screens: list[str] = [final]
+
+        def failure_shown() -> bool:
+            screens.append(_capture(session))
+            return "broken_zero-length.pdf" in screens[-1] and "recent failures" in screens[-1]
+
+        wait_until(failure_shown, 60, "top lists the broken file under recent failures",
+                   every=0.5, context=lambda: screens[-1])
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True, timeout=10)
         wait_until(rc_file.exists, 20, "top exited after q", every=0.2,
                    context=lambda: _capture(session))

@@ -138,9 +138,12 @@ def test_a_task_that_stays_dead_stops_the_watchdog(
                 dead_at = time.monotonic()
             return bool(dead_at) and time.monotonic() - dead_at > 0.6
 
-        await wait_until_async(dead_a_while, 5, "the failing task given up, and 0.6 s more",
-                               every=0.01)
-        await tasks.stop()
+        try:
+            await wait_until_async(dead_a_while, 5,
+                                   "the failing task given up, and 0.6 s more", every=0.01)
+            await tasks.stop()
+        finally:
+            notifier.close()
         return dead_at, tasks
 
     thread = threading.Thread(target=reader)
