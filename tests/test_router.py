@@ -30,7 +30,7 @@ from standin_engine import API_SERVER_MODULE, write_standin
 from test_daemon_service import ctl, wait_answering, write_config
 from test_supervision import start_daemon, status, wait_engine
 from test_systemd import _tool
-from waiting import wait_until
+from waiting import WaitTimeout, exited, holds_for, wait_until
 
 from chandrad.config import load_config
 from chandrad.engine import launch
@@ -91,17 +91,16 @@ class Router:
 
     def wait_ready(self, healthy: int, timeout: float = 60) -> None:
         """Until `/readiness` counts ``healthy`` workers."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.tail()
+        def counted() -> bool:
             try:
                 reply = httpx.get(f"{self.url}/readiness", timeout=2)
-                if reply.status_code == 200 and reply.json().get("healthy_workers") == healthy:
-                    return
+                return reply.status_code == 200 \
+                    and reply.json().get("healthy_workers") == healthy
             except (httpx.TransportError, ValueError):
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"router never saw {healthy} healthy workers\n{self.tail()}")
+                return False
+
+        wait_until(counted, timeout, f"the router counts {healthy} healthy workers",
+                   every=0.3, gone=exited(self.proc), context=self.tail)
 
     def chat_requests(self) -> int:
         """Chat completions the router has taken so far (its Prometheus counter)."""
@@ -185,18 +184,16 @@ def test_one_engine_down_behind_the_router_keeps_chandrad_ready(
         router.wait_ready(healthy=1)
         assert httpx.get(f"{router.url}/health", timeout=5).status_code == 503
         # chandrad probes every 5 s and fails the engine after 3 failed probes: watch longer.
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def still_ready() -> None:
             state = status(sock)["engine"]["state"]
             assert state == "ready", f"engine {state} with one engine of two alive\n" \
                                      f"{log.read_text()[-2000:]}"
-            time.sleep(1)
+
+        holds_for(still_ready, 20)
         workers[0].kill()
         workers[0].wait()
-        deadline = time.monotonic() + 60
-        while status(sock)["engine"]["state"] == "ready":
-            assert time.monotonic() < deadline, "no engine left, yet chandrad says ready"
-            time.sleep(1)
+        wait_until(lambda: status(sock)["engine"]["state"] != "ready", 60,
+                   "no engine left: chandrad stops saying ready", every=1)
     finally:
         stop_daemon(daemon)
         router.stop()
@@ -232,17 +229,18 @@ def test_router_that_cannot_reach_an_engine_charges_no_page(
         wait_engine(sock, daemon, log, "ready")
         stop_quietly(*workers)
         drop(corpus_dir / "good" / "image_hi-devanagari.png", tmp_path / "inbox")
-        deadline = time.monotonic() + 180  # rendering the first page spawns the pool
-        while "engine_request_failed" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        # Rendering the first page spawns the pool: allow for it.
+        wait_until(lambda: "engine_request_failed" in log.read_text(), 180,
+                   "a failed engine request logged", every=0.5,
+                   context=lambda: log.read_text()[-3000:])
+
         # 3 free releases and ocr.retries = 1 fail a charged page after 5 requests (~6 s).
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+        def nothing_charged() -> None:
             jobs = json.loads(ctl(sock, "queue", "--json").stdout)["jobs"]
             bad = [j for j in jobs if j["pages_failed"] or j["state"] != "running"]
             assert not bad, (bad, log.read_text()[-3000:])
-            time.sleep(1)
+
+        holds_for(nothing_charged, 15)
         tries = log.read_text().count('"engine_request_failed"')
         assert tries >= 6, f"chandrad tried {tries} times only"
         # The router still counts its engines healthy, so a SIGTERM drains for
@@ -428,14 +426,25 @@ def stop_engine(engine: CpuEngine) -> None:
             os.killpg(engine.proc.pid, sig)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            engine.proc.poll()
-            try:
-                os.killpg(engine.proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+        if _session_gone_within(engine, wait):
+            return
+
+
+def _session_gone_within(engine: CpuEngine, seconds: float) -> bool:
+    """Whether every process of the engine's session is gone within ``seconds``."""
+    def gone() -> bool:
+        engine.proc.poll()
+        try:
+            os.killpg(engine.proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    try:
+        wait_until(gone, seconds, "the engine's session gone")
+    except WaitTimeout:
+        return False
+    return True
 
 
 def answered(engine: CpuEngine) -> int:
@@ -459,13 +468,13 @@ def test_engine_killed_behind_the_router_loses_no_page(
     router: Router | None = None
     daemon: Daemon | None = None
     try:
-        t0 = time.monotonic()
-        while not all(e.healthy() for e in engines):
-            for e in engines:
-                assert e.proc.poll() is None, e.log.read_text()[-3000:]
-            assert time.monotonic() - t0 < ENGINE_STARTUP_TIMEOUT, "engines not healthy"
-            time.sleep(1)
-        print(f"\ntwo engines healthy after {time.monotonic() - t0:.0f}s")
+        def engine_died() -> str | None:
+            dead = [e for e in engines if e.proc.poll() is not None]
+            return f"engine exited\n{dead[0].log.read_text()[-3000:]}" if dead else None
+
+        took = wait_until(lambda: all(e.healthy() for e in engines), ENGINE_STARTUP_TIMEOUT,
+                          "both engines healthy", every=1, gone=engine_died)
+        print(f"\ntwo engines healthy after {took:.0f}s")
         router = start_router([e.url for e in engines], free_port(), free_port(),
                               root / "router.log")
         router.wait_ready(healthy=2)
@@ -477,10 +486,8 @@ def test_engine_killed_behind_the_router_loses_no_page(
             names[drop(corpus_dir / rel, daemon.inbox).name] = pages
         total = sum(DOCUMENTS.values())
         # Kill one engine once a fifth of the pages is done.
-        deadline = time.monotonic() + 600
-        while sum(j["pages_done"] for j in daemon.jobs()) < total // 5:
-            assert time.monotonic() < deadline, daemon.tail()
-            time.sleep(0.2)
+        wait_until(lambda: sum(j["pages_done"] for j in daemon.jobs()) >= total // 5, 600,
+                   "a fifth of the pages done", context=daemon.tail)
         killed, survivor = engines[1], engines[0]
         before = {e.core: answered(e) for e in engines}
         killed.kill()

@@ -1,4 +1,5 @@
-"""The one deadline loop of the test suite: poll a condition until it holds or time runs out.
+"""The one deadline loop of the test suite: poll a condition until it holds or time runs out
+(``wait_until``), or check that one keeps holding over a window (``holds_for``).
 
 ``wait_until`` (threads, subprocesses) and ``wait_until_async`` (inside an event loop) both
 return the seconds the wait took, and on a timeout fail with what was awaited, the last
@@ -60,6 +61,17 @@ async def wait_until_async(predicate: Callable[[], T], timeout: float, what: str
         if time.monotonic() - t0 >= timeout:
             raise WaitTimeout(_message(what, timeout, last, context))
         await asyncio.sleep(every)
+
+
+def holds_for(check: Callable[[], object], seconds: float, *, every: float = 1.0) -> None:
+    """Run ``check`` (which asserts) every ``every`` s for ``seconds``: a condition that must
+    keep holding over a window, not one awaited (the first failed assertion fails the test)."""
+    end = time.monotonic() + seconds
+    while True:
+        check()
+        if time.monotonic() >= end:
+            return
+        time.sleep(every)
 
 
 def exited(proc: object) -> Callable[[], str | None]:
