@@ -43,11 +43,12 @@ async def drain_then_stop(daemon: Daemon) -> None:
     """SIGTERM: stop taking files, finish what is in flight, then return to be shut down."""
     pipeline = daemon.pipeline
     assert pipeline is not None and daemon.engine is not None
+    # Before the first await: no job may start while the reload is being cancelled.
+    pipeline.accepting = False
+    pipeline.starting_jobs = False  # finish what runs; the queue waits for the next start
     await daemon.reloader.cancel()
     daemon.set_state(DaemonState.STOPPING, "SIGTERM")
     daemon.notifier.stopping("draining: finishing accepted pages")
-    pipeline.accepting = False
-    pipeline.starting_jobs = False  # finish what runs; the queue waits for the next start
     daemon.stop_watcher()
     # Jobs in flight finish their current pages only when an engine can serve them.
     limit = drain_timeout(daemon.config)

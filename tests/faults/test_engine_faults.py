@@ -11,10 +11,12 @@ its row to the reliability table.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -165,6 +167,20 @@ def test_engine_dies_or_hangs_during_shutdown(daemon: Daemon, corpus_dir: Path,
     a.assert_clean()
 
 
+def _entered_stopping(d: Daemon) -> float:
+    """When (wall clock) the daemon last logged its state change to ``stopping``."""
+    at = None
+    for line in d.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "daemon_state" and rec.get("new") == "stopping":
+            at = datetime.fromisoformat(rec["timestamp"]).timestamp()
+    assert at is not None, f"no daemon_state -> stopping record\n{d.tail()}"
+    return at
+
+
 def test_sigterm_with_a_backlog_finishes_in_flight_work_only_and_exits(
         daemon: Daemon, corpus_dir: Path) -> None:
     """SIGTERM with 30 files queued: the daemon finishes the jobs already running, starts
@@ -193,9 +209,13 @@ def test_sigterm_with_a_backlog_finishes_in_flight_work_only_and_exits(
     t0 = time.monotonic()
     code = d.stop(timeout=90)
     stop_s = time.monotonic() - t0
-    after = states()
-    started_after = [n for n in names if at_term.get(n, "pending") == "pending"
-                     and after.get(n) not in (None, "pending")]
+    # "After SIGTERM" is after the daemon began its drain (its daemon_state -> stopping
+    # record), not after the snapshot above: a job may start between the two.
+    stopping_at = _entered_stopping(d)
+    started_after = sorted(
+        Path(j["path"]).name for j in d.stored_jobs()
+        if Path(j["path"]).name in names and j["started_at"] is not None
+        and float(j["started_at"]) > stopping_at)
     assert code == 0, d.tail()
     d.control(mode="serve", delay_s=0.05)
     d.start()
