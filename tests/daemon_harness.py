@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 
 from waiting import exited, wait_until
 
-from chandrad.engine.session import EngineIdentity, stale_engine_pids
+from chandrad.engine.session import EngineIdentity, environment_holders, stale_engine_pids
 
 #: A value the config writer renders as TOML (a mapping renders as an inline table).
 TomlValue: TypeAlias = (
@@ -58,7 +58,6 @@ OCR_REAL_ENGINE: Mapping[str, TomlValue] = {"max_output_tokens": 48, "retries": 
                                             "request_timeout": 120}
 #: The environment a test daemon must not inherit (it is not under systemd).
 _SYSTEMD_ENV = ("NOTIFY_SOCKET", "JOURNAL_STREAM", "WATCHDOG_USEC")
-PROC = Path("/proc")
 #: Marks every process a harness daemon started, and their descendants.
 MARK_ENV = "CHANDRAD_TEST_DAEMON"
 
@@ -146,21 +145,9 @@ def engine_leftovers(state_dir: Path) -> set[int]:
     return left
 
 
-def marked(marker: str, proc: Path = PROC) -> set[int]:
+def marked(marker: str) -> set[int]:
     """Live processes (zombies excluded) whose environment has ``MARK_ENV=marker``."""
-    needle = f"\0{MARK_ENV}={marker}\0".encode()
-    found: set[int] = set()
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            continue  # gone, or not ours to read
-        if needle in b"\0" + environ + b"\0" and state != "Z":
-            found.add(int(entry.name))
-    return found
+    return environment_holders(MARK_ENV, marker)
 
 
 def kill_all(pids: Iterable[int]) -> None:

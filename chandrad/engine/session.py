@@ -101,25 +101,31 @@ def _pids(proc: Path = PROC) -> list[int]:
     return [int(e.name) for e in proc.iterdir() if e.name.isdigit()]
 
 
-def carries_token(pid: int, token: str, proc: Path = PROC) -> bool:
-    """Whether ``pid``'s environment has ``CHANDRAD_ENGINE_TOKEN=token`` (and it is alive)."""
+def carries(pid: int, name: str, value: str, proc: Path = PROC) -> bool:
+    """Whether ``pid``'s environment has ``name=value`` (and it is alive)."""
     try:
         environ = (proc / str(pid) / "environ").read_bytes()
     except OSError:
         return False
-    return f"\0{TOKEN_ENV}={token}\0".encode() in b"\0" + environ + b"\0"
+    return f"\0{name}={value}\0".encode() in b"\0" + environ + b"\0"
 
 
-def token_holders(token: str, proc: Path = PROC) -> set[int]:
-    """Every live process (zombies excluded, ours excluded) that carries ``token``."""
+def environment_holders(name: str, value: str, proc: Path = PROC) -> set[int]:
+    """Every live process (zombies excluded, ours excluded) whose environment has
+    ``name=value``."""
     own = os.getpid()
     found: set[int] = set()
     for pid in _pids(proc):
-        if pid != own and carries_token(pid, token, proc):
+        if pid != own and carries(pid, name, value, proc):
             fields = _stat_fields(pid, proc)
             if fields and fields[0] != "Z":
                 found.add(pid)
     return found
+
+
+def token_holders(token: str, proc: Path = PROC) -> set[int]:
+    """Every live process (zombies excluded, ours excluded) that carries ``token``."""
+    return environment_holders(TOKEN_ENV, token, proc)
 
 
 def stale_engine_pids(identity: EngineIdentity, proc: Path = PROC) -> set[int]:
