@@ -630,8 +630,19 @@ def _stop_observers(observers: Iterable[BaseObserver]) -> None:
 
 
 def _alive(observer: BaseObserver | None) -> bool:
-    """The observer thread runs and its emitter (one per root) has not stopped."""
+    """The observer thread runs, its emitter (one per root) has not stopped, and for
+    inotify, the thread that reads the inotify descriptor still runs.
+
+    That reader (watchdog's ``InotifyFD``) is a thread of its own: when it dies (an
+    exception in watchdog's own event handling ends it) the observer and the emitter
+    stay alive, blocked waiting for events that never come, and the root goes deaf.
+    ``_inotify_fd`` is watchdog's private attribute (7.x), hence the guarded look-up:
+    without it only the observer and emitters are judged, as before.
+    """
     if observer is None or not observer.is_alive():
+        return False
+    reader = getattr(observer, "_inotify_fd", None)
+    if isinstance(reader, threading.Thread) and not reader.is_alive():
         return False
     emitters = list(observer.emitters)
     return bool(emitters) and all(e.is_alive() for e in emitters)

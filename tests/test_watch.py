@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 from conftest import CORPUS_DIR
+from structlog.testing import capture_logs
 from waiting import wait_until_async
+from watchdog.observers.inotify_c import InotifyFD
 
 from chandrad.config import WatchConfig
 from chandrad.watch import (
@@ -357,6 +359,42 @@ def test_root_replaced_is_rearmed(tmp_path: Path) -> None:
             shutil.copy(PDF, cfg.input / "after.pdf")
             await seen.wait(lambda: len(seen.items) >= 1)
             assert seen.names == ["after.pdf"]
+
+    asyncio.run(main())
+
+
+def test_dead_inotify_reader_is_rearmed(tmp_path: Path) -> None:
+    """watchdog reads inotify on a thread of its own (``InotifyFD``); when it dies the
+    observer and its emitter live on, deaf. The health check re-arms and rescans.
+
+    CI saw the reader die of an exception in watchdog's own recursive add (a warning
+    turned error); here it ends the way a thread ends, its run loop told to stop (the
+    next event wakes it, it handles that and returns), leaving the emitter and the
+    inotify descriptor as that death did. No rescan is due for an hour: only the re-arm
+    can find the file dropped after.
+    """
+    cfg = _watch(tmp_path, mode="inotify", rescan_interval=3600.0)
+
+    async def main() -> None:
+        before = {t for t in threading.enumerate() if isinstance(t, InotifyFD)}
+        with capture_logs() as logs:
+            async with running([cfg], health_interval=0.2) as (watcher, seen):
+                readers = [t for t in threading.enumerate()
+                           if isinstance(t, InotifyFD) and t not in before]
+                assert len(readers) == 1, readers
+                reader = readers[0]
+                shutil.copy(PDF, cfg.input / "first.pdf")
+                await seen.wait(lambda: seen.names == ["first.pdf"])
+                reader.stopped_event.set()  # watchdog's own stop flag, nothing of ours
+                (cfg.input / ".wake").touch()  # an ignored name: wakes the reader's read
+                await asyncio.to_thread(reader.join, 10)
+                assert not reader.is_alive()
+                shutil.copy(PDF, cfg.input / "after.pdf")
+                await seen.wait(lambda: "after.pdf" in seen.names)
+                assert seen.names == ["first.pdf", "after.pdf"]
+                assert watcher.describe()[0]["armed"] is True
+        rearms = [e for e in logs if e["event"] == "watch_rearm"]
+        assert len(rearms) == 1 and rearms[0]["was_armed"] is True, rearms
 
     asyncio.run(main())
 
