@@ -26,6 +26,7 @@ The page PNG is therefore exactly what Chandra's vLLM client would send (it call
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import math
@@ -255,7 +256,10 @@ def probe(path: Path, max_pages: int) -> DocumentInfo:
     return info
 
 
-def _check_pdf_images(path: Path, page: pymupdf.Page) -> None:
+def _check_pdf_images(path: Path, page: pymupdf.Page) -> int:
+    """Refuse a page embedding an image too large to decode; the decoded bytes of all its
+    images otherwise."""
+    total = 0
     for item in page.get_images(full=True):
         width, height, bpc, colorspace = item[2], item[3], item[4], item[5]
         components = _COMPONENTS.get(str(colorspace), 4)
@@ -265,6 +269,8 @@ def _check_pdf_images(path: Path, page: pymupdf.Page) -> None:
                 f"{path.name}: page {page.number + 1} embeds a {width}x{height} image "
                 f"({decoded / 2**30:.1f} GiB decoded, limit {MAX_PDF_IMAGE_BYTES / 2**30:.0f} GiB)"
             )
+        total += decoded
+    return total
 
 
 def _encode_png(img: Image.Image) -> bytes:
@@ -288,14 +294,14 @@ def _render_pdf_page(
     if min_side_px is None:
         min_side_px = int(chandra_settings.MIN_PDF_IMAGE_DIM)
 
-    doc = _open_pdf(path)
-    try:
+    with _kept_open(path, _open_pdf, lambda doc: True) as doc:
         if not 0 <= index < doc.page_count:
             raise InputError(
                 f"{path.name}: page {index + 1} does not exist ({doc.page_count} pages)"
             )
         page = doc[index]
-        _check_pdf_images(path, page)
+        if _check_pdf_images(path, page) > _BIG_PAGE_IMAGES_BYTES:
+            _release_memory(keep_store=False)  # room for this page's decoded images
         rect = page.rect  # rotation and /UserUnit already applied by MuPDF
         min_side_pt = min(rect.width, rect.height)
         if min_side_pt <= 0:
@@ -317,8 +323,6 @@ def _render_pdf_page(
                                pix.stride, 1)
         img = img.resize((width, height), Image.Resampling.LANCZOS)
         return _final(index, img, max_pixels)
-    finally:
-        doc.close()
 
 
 def _wide_grey_to_l(img: Image.Image) -> Image.Image:
@@ -364,52 +368,62 @@ def _to_page_mode(img: Image.Image) -> Image.Image:
 #: EXIF orientations that turn or flip the image (1: as stored).
 _TURNS = frozenset(range(2, 9))
 
-_FileKey = tuple[str, int, int, int, int]
-#: The multi-frame image this worker process rendered a page of last, kept open with the
-#: identity of its file: Pillow remembers the offset of every frame it has walked past, so
-#: the next page of the same TIFF is one seek instead of a walk from frame 1 (a 4,000-page
-#: TIFF cost ~n^2/2 frame-header reads otherwise). One entry per worker: pages of a file
-#: come in order, and a file moved to done/ is let go when the next file is opened.
-_kept: tuple[_FileKey, Image.Image] | None = None
+_FileKey = tuple[str, int, int, int, int, int]
+#: Files a worker process rendered pages of lately, kept open with the identity of the
+#: file (path, device, inode, size, mtime, ctime), most recently used last:
+#: * a PDF: MuPDF parses the cross-reference table and page tree once, and the fonts it
+#:   loaded for one page (in its resource store, which :func:`_release_memory` then keeps
+#:   while it is small) serve the next: ~16 instead of ~27 ms of CPU per PDF page;
+#: * a multi-frame image: Pillow remembers the offset of every frame it has walked past, so
+#:   the next page of the same TIFF is one seek instead of a walk from frame 1 (a
+#:   4,000-page TIFF took ~n^2/2 frame-header reads otherwise).
+#: Pages of a file mostly come in order, but several jobs render at once, so a few files
+#: are kept. A file replaced or rewritten at the same path has a new identity (a new inode;
+#: a write moves mtime and ctime) and is opened anew; the old one is closed then. An open
+#: file holds its inode: a deleted input's space is freed when the worker lets go of it
+#: (at most KEEP_OPEN_FILES later files).
+KEEP_OPEN_FILES = 4
+_kept: dict[_FileKey, Any] = {}  # Image.Image | pymupdf.Document, insertion = use order
 
 
 def _file_key(path: Path) -> _FileKey:
     st = os.stat(path)
-    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _let_go() -> None:
-    global _kept
-    if _kept is not None:
-        _kept[1].close()
-        _kept = None
+def _let_go(keep: int = 0) -> None:
+    """Close kept files, the least recently used first, until ``keep`` are left."""
+    while len(_kept) > keep:
+        _kept.pop(next(iter(_kept))).close()
+
+
+atexit.register(_let_go)  # closed, not left to the garbage collector's ResourceWarning
 
 
 @contextlib.contextmanager
-def _multiframe_aware_open(path: Path) -> Iterator[Image.Image]:
-    """``_open_image(path)``, reusing this worker's open image when it is the same file
-    (same path, inode, size and mtime); a multi-frame image stays open afterwards unless
-    rendering it failed."""
-    global _kept
+def _kept_open(path: Path, opener: Any, keep: Any) -> Iterator[Any]:
+    """``opener(path)``, or this worker's open copy of the same file (same path, inode,
+    size, mtime and ctime); kept open afterwards if ``keep(opened)`` says so and using it
+    did not fail (a failure may have left it in any state)."""
     try:
         key = _file_key(path)
     except OSError as exc:
         raise InputError(f"{path.name}: cannot read: {exc.strerror or exc}") from exc
-    if _kept is not None and _kept[0] == key:
-        img = _kept[1]
-    else:
-        _let_go()
-        img = _open_image(path)
-    _kept = None
+    opened = _kept.pop(key, None)
+    if opened is None:
+        for stale in [k for k in _kept if k[0] == key[0]]:  # replaced at the same path
+            _kept.pop(stale).close()
+        opened = opener(path)
     try:
-        yield img
+        yield opened
     except BaseException:
-        img.close()
+        opened.close()
         raise
-    if img.format in MULTIPAGE_FORMATS:
-        _kept = (key, img)
+    if keep(opened):
+        _kept[key] = opened
+        _let_go(KEEP_OPEN_FILES)
     else:
-        img.close()
+        opened.close()
 
 
 def _render_image_page(
@@ -419,7 +433,7 @@ def _render_image_page(
         from chandra.settings import settings as chandra_settings
 
         min_side_px = int(chandra_settings.MIN_IMAGE_DIM)
-    with _multiframe_aware_open(path) as img:
+    with _kept_open(path, _open_image, lambda img: img.format in MULTIPAGE_FORMATS) as img:
         pages = _image_pages(img)
         if not 0 <= index < pages:
             raise InputError(f"{path.name}: page {index + 1} does not exist ({pages} pages)")
@@ -466,6 +480,7 @@ def render_page(
     head = _sniff(path)
     if _is_pdf(head):
         return _render_pdf_page(path, index, min_side_px, max_pixels)
+    _release_memory(keep_store=False)  # MuPDF's fonts are no use to Pillow
     return _render_image_page(path, index, min_side_px, max_pixels)
 
 
@@ -497,13 +512,29 @@ def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _release_memory() -> None:
-    """After each call in a worker: empty MuPDF's resource store (decoded images and
-    fonts of documents already closed; it would grow to 256 MB) and hand freed heap back
-    to the kernel, so a worker's RSS stays near its imports (bench/README.md)."""
+#: A worker keeps MuPDF's resource store (the fonts and images it decoded, up to 256 MB)
+#: between calls while its resident memory stays below this (~79 MB after its imports):
+#: the fonts of a kept PDF then serve its next page. Above it, before an image page and
+#: before a PDF page whose images decode to more than _BIG_PAGE_IMAGES_BYTES, the store is
+#: emptied, so a heavy page (~115 MB for a 2550x3300 RGB scan with a soft mask) starts
+#: from the imports alone and a worker's high-water mark stays within 200 MB.
+STORE_KEEP_RSS_BYTES = 96 << 20
+_BIG_PAGE_IMAGES_BYTES = 8 << 20
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", "rb") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _release_memory(keep_store: bool = True) -> None:
+    """After each call in a worker: empty MuPDF's resource store unless it is worth keeping
+    (``keep_store`` and the worker below STORE_KEEP_RSS_BYTES) and hand freed heap back to
+    the kernel, so a worker's RSS stays near its imports (bench/README.md)."""
     import pymupdf
 
-    pymupdf.TOOLS.store_shrink(100)
+    if not keep_store or _resident_bytes() > STORE_KEEP_RSS_BYTES:
+        pymupdf.TOOLS.store_shrink(100)
     with contextlib.suppress(OSError, AttributeError):
         _libc().malloc_trim(0)
 
