@@ -254,8 +254,9 @@ def _encode_crop(name: str, image: Image.Image) -> bytes:
 
 class _LazyPage:
     """The page as ``chandra.output`` uses it: ``parse_chunks`` reads only ``.size`` and
-    ``extract_images`` only calls ``.crop``; the PNG is inflated on the first crop, so a
-    page without figures is never decoded.
+    ``extract_images`` only calls ``.crop``; the PNG is inflated on the first crop and
+    only down to the lowest row asked for so far, so a page without figures is never
+    decoded and a figure in the upper half of a page costs half the inflate.
 
     A crop is what ``Image.crop`` of the page converted to RGB (as Chandra's own page
     images are) gives, pixel for pixel, but copies only the crop's rows out of the
@@ -266,37 +267,46 @@ class _LazyPage:
 
     def __init__(self, page_png: bytes) -> None:
         self.size = _png_size(page_png)
-        self._png: bytes | None = page_png
-        self._ours: tuple[str, int, int, memoryview, int] | None = None
+        self._png = page_png
+        self._rows: png.Rows | None = None
         self._rgb: Image.Image | None = None
+
+    def _pillow_rgb(self) -> Image.Image:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(self._png)) as img:
+            self._rgb = img.convert("RGB")
+        return self._rgb
 
     def crop(self, box: Any) -> Image.Image:
         from PIL import Image
 
-        if self._png is not None:
-            self._ours = png.decode(self._png)
-            if self._ours is None:  # not a PNG chandrad wrote
-                with Image.open(io.BytesIO(self._png)) as img:
-                    self._rgb = img.convert("RGB")
-            self._png = None
-        if self._ours is not None and self._rgb is None:
-            mode, width, height, pixels, stride = self._ours
-            # Image.crop's own checks and rounding.
-            if box[2] < box[0]:
-                raise ValueError("Coordinate 'right' is less than 'left'")
-            if box[3] < box[1]:
-                raise ValueError("Coordinate 'lower' is less than 'upper'")
-            x0, y0, x1, y1 = (int(round(v)) for v in box)
-            if 0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height:
-                channels = len(mode)
-                start = y0 * stride + x0 * channels
-                end = (y1 - 1) * stride + x1 * channels
-                crop = Image.frombytes(mode, (x1 - x0, y1 - y0), pixels[start:end], "raw",
-                                       mode, stride, 1)
-                return crop if mode == "RGB" else crop.convert("RGB")
-            page = Image.frombytes(mode, (width, height), pixels, "raw", mode, stride, 1)
-            self._rgb = page if mode == "RGB" else page.convert("RGB")
-        assert self._rgb is not None
+        if self._rgb is None and self._rows is None:
+            self._rows = png.Rows.open(self._png)
+        if self._rgb is not None or self._rows is None:  # not a PNG chandrad wrote
+            return (self._rgb or self._pillow_rgb()).crop(box)
+        rows = self._rows
+        # Image.crop's own checks and rounding.
+        if box[2] < box[0]:
+            raise ValueError("Coordinate 'right' is less than 'left'")
+        if box[3] < box[1]:
+            raise ValueError("Coordinate 'lower' is less than 'upper'")
+        x0, y0, x1, y1 = (int(round(v)) for v in box)
+        mode, stride = rows.mode, rows.stride
+        inside = 0 <= x0 < x1 <= rows.width and 0 <= y0 < y1 <= rows.height
+        # Only the rows down to the crop's last are inflated (the first crop's, usually).
+        pixels = rows.upto(y1 if inside else rows.height)
+        if pixels is None:  # not ours after all (filtered rows, corrupt)
+            return self._pillow_rgb().crop(box)
+        if inside:
+            channels = len(mode)
+            start = y0 * stride + x0 * channels
+            end = (y1 - 1) * stride + x1 * channels
+            crop = Image.frombytes(mode, (x1 - x0, y1 - y0), pixels[start:end], "raw",
+                                   mode, stride, 1)
+            return crop if mode == "RGB" else crop.convert("RGB")
+        page = Image.frombytes(mode, (rows.width, rows.height), pixels, "raw", mode, stride, 1)
+        self._rgb = page if mode == "RGB" else page.convert("RGB")
         return self._rgb.crop(box)
 
 

@@ -58,34 +58,79 @@ def encode(pixels: bytes | memoryview, width: int, height: int, mode: str,
                      _chunk(b"IDAT", b"".join(compressed)), _chunk(b"IEND", b"")))
 
 
+class Rows:
+    """The rows of a PNG that :func:`encode` wrote, inflated only as far as asked: a crop
+    in the upper part of a page never inflates the rest (ISA-L, no unfiltering)."""
+
+    def __init__(self, mode: str, width: int, height: int, idat: memoryview) -> None:
+        self.mode, self.width, self.height = mode, width, height
+        #: Bytes from one row's first pixel to the next row's (each row is preceded by
+        #: its filter byte).
+        self.stride = width * len(mode) + 1
+        self._inflate = isal_zlib.decompressobj()
+        self._tail: bytes | memoryview = idat
+        self._raw = b""  # bytes: views of it stay valid when more rows are inflated
+        self._ours = True
+
+    @classmethod
+    def open(cls, data: bytes) -> Rows | None:
+        """``None`` for a PNG that :func:`encode` did not write (filters, palette, 16-bit,
+        interlace, several IDAT chunks): decode that with Pillow."""
+        if not data.startswith(_SIGNATURE) or data[12:16] != b"IHDR":
+            return None
+        width, height, depth, colour_type, _, _, interlace = struct.unpack(
+            ">IIBBBBB", data[16:29])
+        modes = {c: m for m, (_, c) in _MODES.items()}
+        if depth != 8 or interlace or colour_type not in modes or not width or not height:
+            return None
+        idat_at = 8 + 25  # signature, IHDR chunk (length, tag, 13 bytes, crc)
+        (length,) = struct.unpack(">I", data[idat_at:idat_at + 4])
+        end = idat_at + 12 + length
+        if data[idat_at + 4:idat_at + 8] != b"IDAT" or data[end + 4:end + 8] != b"IEND":
+            return None
+        return cls(modes[colour_type], width, height,
+                   memoryview(data)[idat_at + 8:idat_at + 8 + length])
+
+    def upto(self, rows: int) -> memoryview | None:
+        """The first ``rows`` rows (at least; at most all): a view starting at the first
+        pixel, rows :attr:`stride` bytes apart. ``None`` if they turn out not to be ours
+        (a filtered row, a short or corrupt stream)."""
+        rows = min(rows, self.height)
+        want = rows * self.stride
+        have = len(self._raw)
+        if have < want and self._ours:
+            self._ours = False  # until proven
+            try:
+                more = self._inflate.decompress(self._tail, want - have)
+                self._tail = self._inflate.unconsumed_tail
+                if rows == self.height and self._inflate.decompress(self._tail):
+                    return None  # more data than the image holds
+            except Exception:  # isal_zlib.error (untyped): corrupt, so not ours
+                return None
+            # The first call (usually the only one) keeps the inflated bytes as they are.
+            self._raw = self._raw + more if self._raw else more
+            if len(self._raw) < want:
+                return None  # the stream ended early
+            if self._raw[have:want:self.stride].count(0) != (want - have) // self.stride:
+                return None  # filtered rows: not ours
+            self._ours = True
+        if not self._ours:
+            return None
+        # No copy; the last row ends the view: decode it with Pillow's "raw" decoder
+        # (which takes a stride), not ``Image.frombuffer`` (which maps L and wants a
+        # whole last stride).
+        return memoryview(self._raw)[1:want]
+
+
 def decode(data: bytes) -> tuple[str, int, int, memoryview, int] | None:
     """Pixels of a PNG that :func:`encode` wrote: ``(mode, width, height, pixels, stride)``,
     with ``pixels`` starting at the first pixel and rows ``stride`` bytes apart (each row
-    is preceded by its filter byte). ``None`` for any other PNG (filters, palette, 16-bit,
-    interlace, several IDAT chunks): decode that with Pillow.
-
-    One inflate (ISA-L) and no unfiltering: several times cheaper than Pillow's decoder.
+    is preceded by its filter byte). ``None`` for any other PNG: decode that with Pillow.
     """
-    if not data.startswith(_SIGNATURE) or data[12:16] != b"IHDR":
+    rows = Rows.open(data)
+    if rows is None:
         return None
-    width, height, depth, colour_type, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
-    modes = {c: (m, n) for m, (n, c) in _MODES.items()}
-    if depth != 8 or interlace or colour_type not in modes:
+    pixels = rows.upto(rows.height)
+    if pixels is None:
         return None
-    mode, channels = modes[colour_type]
-    idat_at = 8 + 25  # signature, IHDR chunk (length, tag, 13 bytes, crc)
-    (length,) = struct.unpack(">I", data[idat_at:idat_at + 4])
-    if data[idat_at + 4:idat_at + 8] != b"IDAT" or data[idat_at + 12 + length + 4:
-                                                       idat_at + 12 + length + 8] != b"IEND":
-        return None
-    try:
-        raw = isal_zlib.decompress(data[idat_at + 8:idat_at + 8 + length])
-    except Exception:  # isal_zlib.error (untyped): corrupt, so not ours; Pillow will say
-        return None
-    stride = width * channels + 1
-    if len(raw) != stride * height or raw[::stride].count(0) != height:
-        return None  # filtered rows: not ours
-    # No copy: row y's pixels start at y * stride of the view (after their filter byte);
-    # the last row ends the view, so decode it with Pillow's "raw" decoder (which takes
-    # a stride), not ``Image.frombuffer`` (which maps L and wants a whole last stride).
-    return mode, width, height, memoryview(raw)[1:], stride
+    return rows.mode, rows.width, rows.height, pixels, rows.stride

@@ -151,3 +151,26 @@ def test_crops_from_our_png_equal_pillow_crops_of_the_rgb_page(mode: str) -> Non
     # Several crops of one page, after a box that took the whole-page path.
     assert lazy.crop((-1, -1, 3, 3)).tobytes() == whole.crop((-1, -1, 3, 3)).tobytes()
     assert lazy.crop((1, 2, 9, 8)).tobytes() == whole.crop((1, 2, 9, 8)).tobytes()
+    # Crops of one page going down, then up again: rows are inflated further as needed.
+    lazy = ocr._LazyPage(data)
+    for box in [(1, 0, 9, 5), (2, 30, 9, 40), (0, 1, 4, 2), (5, 40, 60, 47), (3, 3, 5, 5)]:
+        assert lazy.crop(box).tobytes() == whole.crop(box).tobytes(), box
+
+
+def test_a_crop_inflates_the_page_only_down_to_its_last_row() -> None:
+    """A crop near the top of a page never inflates the rows below it: here the page's
+    deflate stream stops half way and the crops above that still come out (before, the
+    whole page was inflated: not ours, so Pillow read it and refused the truncated PNG)."""
+    rng = random.Random(5)
+    width, height = 200, 400
+    pixels = rng.randbytes(width * height * 3)  # incompressible: rows map onto bytes
+    data = png.encode(pixels, width, height, "RGB")
+    idat = data[41:-16]  # signature, IHDR chunk, IDAT length and tag | crc, IEND
+    assert png.decode(data) is not None and data[37:41] == b"IDAT"
+    cut = data[:33] + png._chunk(b"IDAT", idat[:len(idat) // 2]) + data[-12:]
+    whole = Image.frombytes("RGB", (width, height), pixels)
+    lazy = ocr._LazyPage(cut)
+    for box in [(10, 20, 150, 60), (0, 0, 200, 100)]:
+        assert lazy.crop(box).tobytes() == whole.crop(box).tobytes(), box
+    with pytest.raises(OSError):  # Pillow's error, as before, for rows that are not there
+        lazy.crop((0, 300, 10, 310))
