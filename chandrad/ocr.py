@@ -310,6 +310,33 @@ class _LazyPage:
         return self._rgb.crop(box)
 
 
+def markdown_of(html: str) -> str:
+    """``chandra.output.parse_markdown`` of the raw answer, given what ``parse_html`` made
+    of it (``parse_markdown`` runs ``parse_html`` itself; the page's HTML is needed too,
+    so it is parsed once instead of twice). The converter's settings are
+    ``parse_markdown``'s own; ``tests/test_ocr.py`` asserts the same Markdown."""
+    from chandra.output import Markdownify
+
+    converter = Markdownify(
+        heading_style="ATX",
+        bullets="-",
+        escape_misc=False,
+        escape_underscores=True,
+        escape_asterisks=True,
+        escape_dollars=True,
+        sub_symbol="<sub>",
+        sup_symbol="<sup>",
+        inline_math_delimiters=("$", "$"),
+        block_math_delimiters=("$$", "$$"),
+    )
+    try:
+        markdown = str(converter.convert(html))
+    except Exception as e:
+        print(f"Error converting HTML to Markdown: {e}")  # chandra's note, as it prints it
+        markdown = ""
+    return markdown.strip()
+
+
 def parse_page(
     raw_html: str,
     page_png: bytes,
@@ -322,7 +349,7 @@ def parse_page(
     Never raises on bad model output: each conversion that fails leaves its part empty
     and adds a note. ``bbox`` values are in the pixels of ``page_png``.
     """
-    from chandra.output import extract_images, parse_chunks, parse_html, parse_markdown
+    from chandra.output import extract_images, parse_chunks, parse_html
     from chandra.settings import settings as chandra_settings
 
     notes: list[str] = []
@@ -333,13 +360,6 @@ def parse_page(
     page = _LazyPage(page_png)
     with contextlib.redirect_stdout(chandra_said):
         try:
-            markdown = str(
-                parse_markdown(
-                    raw_html,
-                    include_headers_footers=include_headers_footers,
-                    include_images=include_images,
-                )
-            )
             html = str(
                 parse_html(
                     raw_html,
@@ -347,6 +367,7 @@ def parse_page(
                     include_images=include_images,
                 )
             )
+            markdown = markdown_of(html)
         except Exception as exc:  # chandra.output on arbitrary model text
             notes.append(f"html/markdown conversion failed: {exc!r}")
         try:

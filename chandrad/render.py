@@ -518,7 +518,7 @@ def _libc() -> Any:
 #: before a PDF page whose images decode to more than _BIG_PAGE_IMAGES_BYTES, the store is
 #: emptied, so a heavy page (~115 MB for a 2550x3300 RGB scan with a soft mask) starts
 #: from the imports alone and a worker's high-water mark stays within 200 MB.
-STORE_KEEP_RSS_BYTES = 96 << 20
+STORE_KEEP_RSS_BYTES = 112 << 20
 _BIG_PAGE_IMAGES_BYTES = 8 << 20
 
 

@@ -9,6 +9,7 @@ must match what it sent.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 from collections.abc import Iterator
@@ -260,8 +261,45 @@ def test_parse_page_survives_garbage(raw: str) -> None:
     png = _small_png()
     result = parse_page(raw, png, include_images=True, include_headers_footers=False)
     assert isinstance(result.markdown, str) and isinstance(result.html, str)
+    assert result.markdown == _chandras_markdown(raw, images=True, headers=False)
     for block in result.blocks:
         assert len(block["bbox"]) == 4 and all(isinstance(v, int) for v in block["bbox"])
+
+
+def _chandras_markdown(raw: str, *, images: bool, headers: bool) -> str:
+    """``chandra.output.parse_markdown``, quietly; "" where it raises (parse_page's note)."""
+    from chandra.output import parse_markdown
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            return str(parse_markdown(raw, include_headers_footers=headers,
+                                      include_images=images))
+        except Exception:
+            return ""
+
+
+MARKDOWN_SAMPLES = [
+    '<div data-bbox="1 2 3 4" data-label="Text"><h1>T</h1><ul><li>a*b_c$d</li><li>e</li>'
+    '</ul><p>x<sub>2</sub>y<sup>3</sup> <math>m^2</math> <a href="u">l</a></p>'
+    '<math display="block">k</math><table><tr><td>1</td></tr></table></div>',
+    '<div data-bbox="0 0 9 9" data-label="Page-Header"><p>head</p></div>'
+    '<div data-bbox="0 0 9 9" data-label="Image"></div><div data-label="Text">plain</div>',
+]
+
+
+@pytest.mark.parametrize("headers", [False, True])
+@pytest.mark.parametrize("images", [False, True])
+def test_markdown_is_chandras_parse_markdown(images: bool, headers: bool,
+                                             page_png: bytes) -> None:
+    """parse_page parses the answer's HTML once (parse_markdown would parse it again):
+    its Markdown is still exactly chandra's, for every flag."""
+    from tiny_model import PLANTED_TEXT
+
+    for raw in [PLANTED_TEXT, *MARKDOWN_SAMPLES]:
+        result = parse_page(raw, page_png, include_images=images,
+                            include_headers_footers=headers)
+        assert result.markdown == _chandras_markdown(raw, images=images, headers=headers)
+        assert result.markdown
 
 
 def _small_png() -> bytes:
