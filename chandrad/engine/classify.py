@@ -31,9 +31,11 @@ How it decides, in order of strength:
    ``determine_available_memory``, KV cache allocation, warm-up, CUDA graph capture,
    V0's ``CacheEngine``) against the serving loop (``run_busy_loop``, V0's
    ``run_engine_loop``/``_log_task_completion``, sleep-mode ``wake_up``, request
-   handlers, throughput lines). With both present the marker nearest the error wins; with
-   neither, a model forward, the sampler or the sleep-mode allocator (all mostly serving
-   work) tips it to runtime.
+   handlers, throughput lines, SGLang's scheduler lines, a request or session id in the
+   failure's own line, a caller's generate loop). With both present the marker nearest the
+   error wins; with neither, a model forward, the sampler, the sleep-mode allocator or the
+   reporter's own script calling generate (all mostly serving work) tips it to runtime. The
+   allocator's figures are read from the whole message even when the paste hard-wrapped it.
    An OOM reported *through* NCCL ("Cuda failure 'out of memory'") is a device
    allocation failure, not a communication fault: restarting with the same memory
    settings would fail the same way, so it joins the OOM classes (subclass
@@ -327,7 +329,9 @@ _HOST_OOM = re.compile(
     r"|^MemoryError\b"
     r"|Cannot allocate memory"
     r"|killed by (?:the )?(?:\S+ ){0,3}OOM[- ]?killer"
-    r"|\bOOMKilled\b",
+    # Kubernetes' "Reason: OOMKilled" and docker inspect's "OOMKilled": true, but not the
+    # "OOMKilled": false that docker inspect prints for every container that was not killed.
+    r"|\bOOMKilled\b(?!\"?\s*[:=]\s*(?:false|0)\b)",
     _I,
 )
 _KILLED = re.compile(
@@ -506,6 +510,20 @@ _AFTER_STOP_BENIGN = frozenset({"engine_died", "exited", "crash"})
 
 # A Python exception at the start of a cleaned line: "ValueError: ...", "torch.X: ...".
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit)\b:?")
+# A failure stated without a Python exception line (see _diagnose, step 6). Not
+# "Exception ignored in: <function __del__>", which interpreters print at a clean exit.
+_FAILURE_STATEMENT = re.compile(
+    r"^(?:Exception|Error)\s*:\s*\S"
+    r"|^Exception (?:in|while|during|occurred|raised)\b(?! ignored)"
+    r"|^Error (?:executing|while|during|in|occurred|when)\b"
+    r"|^(?:[a-z_]\w*\.)+(?:[A-Z]\w*)?(?:Failed|Unsupported|BrokenProcessPool)\b:?",
+)
+# At ERROR level, a line that says something failed.
+_FAILURE_WORD = re.compile(
+    r"\b(?:fail(?:ed|s|ure)?|fatal|crash(?:ed)?|abort(?:ed|ing)?|exception|error|died"
+    r"|unable to|cannot|could not)\b",
+    _I,
+)
 _BENIGN_EXCEPTIONS = re.compile(r"^(?:asyncio\.)?CancelledError|^KeyboardInterrupt|^SystemExit")
 
 # Words that make what follows on the line a possibility, not a report.
@@ -539,7 +557,23 @@ _READY_MARKS = re.compile(
     r"init engine \(profile, create kv cache, warmup model\) took"
     r"|Application startup complete|Uvicorn running on|Started server process"
     r"|Starting vLLM API server|Available routes are|Avg prompt throughput|Running: \d+ reqs"
-    r"|\"(?:POST|GET) /v1/\S* HTTP/[\d.]+\" \d{3}|Processed prompts|Adding requests",
+    r"|\"(?:POST|GET) /v1/\S* HTTP/[\d.]+\" \d{3}|Processed prompts|Adding requests"
+    # A request reaching the server: access-log lines without the status, uvicorn's, SGLang's.
+    r"|\b(?:POST|GET) /(?:v1/|generate\b|invocations\b|chat\b)"
+    r"|Avg generation throughput|GPU KV cache usage: \d|Prefix cache hit rate"
+    r"|Received request|Added request|Finished request|Aborted request"
+    # SGLang's scheduler: "Decode batch. #running-req: 5, ... gen throughput (token/s)".
+    r"|\b(?:Prefill|Decode) batch\b|#running-req|gen throughput|The server is fired up",
+    _I,
+)
+# A failure reported against a request, session or job (an id names it): whatever the app,
+# the model was loaded and serving work when it failed. Ids: UUIDs, OpenAI-style
+# "chatcmpl-…"/"cmpl-…", long hex. Not Ray's task and job ids: Ray prints them while the
+# engine's workers start.
+_REQUEST_CONTEXT = re.compile(
+    r"\b(?:chat)?cmpl-[0-9A-Za-z]{6,}"
+    r"|\b(?:request|req|session|invocation)(?:[ _-]?id)?\b[\s:=#'\"]*"
+    r"(?:[0-9a-f]{8}-[0-9a-f]{4}-|[0-9a-f]{16,}\b)",
     _I,
 )
 # Frames and messages of start-up: loading weights, profiling, sizing and allocating the KV
@@ -553,10 +587,15 @@ _LOAD_FRAMES = re.compile(
     r"|initialize_model|_initialize_model|get_model|warming_up_model"
     r"|weight_loader|create_weights|process_weights_after_loading|_allocate_kv_cache"
     r"|CacheEngine|init_cache_engine|initialize_cache|_init_cache|from_engine_args"
-    r"|from_vllm_config|run_mp_engine|init_memory_pool|_init_kv_cache)\b"
+    r"|from_vllm_config|run_mp_engine|init_memory_pool|_init_kv_cache"
+    # SGLang's start-up (model_runner.initialize, CUDA graphs) and Hugging Face loading.
+    r"|init_cuda_graphs|CudaGraphRunner|init_torch_distributed|from_pretrained"
+    r"|load_state_dict|load_checkpoint|_load_pretrained_model)\b"
     r"|\w*dummy\w*|warm(?:ing)?[_ ]?up"
     r"|Loading model weights|Loading safetensors|Memory profiling|Capturing CUDA graph"
-    r"|Starting profile run",
+    r"|Starting profile run|Starting to load model|Loading weights took|Model loading took"
+    r"|Loading checkpoint shards|Load weight (?:begin|end)|Initializing an? (?:V1 )?LLM engine"
+    r"|Capture cuda graph|Memory pool end|Compiling a graph|Dynamo bytecode transform",
     _I,
 )
 # Frames and messages of serving: the engine loop, request handling, sleep-mode wake-up.
@@ -566,7 +605,13 @@ _SERVING_FRAMES = re.compile(
     r"|resume|output_handler|_run_engine|step_async|sample_tokens|_log_task_completion"
     r"|_raise_exception_on_finish|forward_thread_func|event_loop_(?:normal|overlap)"
     r"|forward_batch_generation|err_execute_model_input|AsyncEngineDeadError"
-    r"|MQEngineDeadError|EngineDeadError)\b"
+    r"|MQEngineDeadError|EngineDeadError"
+    # Generation requested by a caller: vLLM's offline LLM, OpenAI handlers, Hugging Face's
+    # generate loop, RL trainers' rollouts.
+    r"|_generate|generate_sequences|create_chat_completion|create_completion"
+    r"|chat_completion_stream_generator|completion_stream_generator|greedy_search"
+    r"|beam_search|_validate_and_add_requests|process_input_sockets)\b"
+    r"|, in (?:generate|chat|_run_engine)$"
     r"|serving_\w+\.py|starlette/|fastapi/|async_llm_engine\.py:\d+\]"
     r"|Engine loop is not running|Engine loop has died|Engine background task failed"
     r"|Background loop has errored|Error in model execution|Dumping scheduler output"
@@ -582,7 +627,11 @@ _WEAK_SERVING = re.compile(
     # its own frame (_dummy_sampler_run, profile_run), so sampler frames alone mean a batch.
     r"|\bsampler\.py\b|\bget_logprobs\b"
     # vLLM's sleep-mode allocator: it maps memory when a sleeping engine is woken up.
-    r"|\bcumem_allocator\b",
+    r"|\bcumem_allocator\b"
+    # Code the reporter pasted with the error (their script, not a frame of the failure):
+    # a generate call or a loop over inputs ("for batch in batches:"). Weak, because the
+    # same script also constructs the engine, which may be what failed.
+    r"|\.generate\(|\bfor \w+ in [\w.]*(?:batch|loader|prompt|request|sample|input)\w*",
     _I,
 )
 
@@ -685,12 +734,43 @@ def _window(lines: Sequence[_Line], i: int, extra: int = 3) -> str:
     return " ".join(ln.text for ln in lines[i : i + 1 + extra])
 
 
+def _message(lines: Sequence[_Line], i: int, extra: int = 5) -> str:
+    """The message that starts on line ``i`` with the lines a paste's hard wrap split off.
+
+    PyTorch's allocator message is one line of ~400 characters; pasted into an issue or a
+    terminal it is often wrapped over three or four, and its figures ("… is reserved by
+    PyTorch but unallocated") end up on the last. Continuation lines are taken until a line
+    that starts something else: a traceback frame, another exception, another OOM, a blank.
+    """
+    parts = [lines[i].text]
+    for ln in lines[i + 1 : i + 1 + extra]:
+        if (
+            not ln.text
+            or _TRACEBACK.match(ln.text)
+            or _EXCEPTION.match(ln.text)
+            or _DEVICE_OOM.search(ln.text)
+        ):
+            break
+        parts.append(ln.text)
+    return " ".join(parts)
+
+
+def _wrapped_match(lines: Sequence[_Line], i: int, pattern: re.Pattern[str]) -> bool:
+    """Does ``pattern`` match across the hard wrap between line ``i`` and the next
+    ("RuntimeError: CUDA out of" / "memory. Tried to allocate …")?"""
+    if i + 1 >= len(lines) or not lines[i].text or not lines[i + 1].text:
+        return False
+    head = lines[i].text
+    m = pattern.search(head + " " + lines[i + 1].text)
+    return m is not None and m.start() < len(head) < m.end()
+
+
 def _device_oom_hits(lines: Sequence[_Line]) -> list[int]:
     out = []
     for i, ln in enumerate(lines):
         if ln.benign_level or _RAY_HOST_OOM.search(ln.text):
             continue
-        if _DEVICE_OOM.search(ln.text):
+        if _DEVICE_OOM.search(ln.text) or _wrapped_match(lines, i, _DEVICE_OOM):
             out.append(i)
     if not out:
         last = next((k for k in range(len(lines) - 1, -1, -1) if lines[k].text), -1)
@@ -718,7 +798,11 @@ def _phase_is_runtime(lines: Sequence[_Line], oom_index: int, was_ready: bool) -
     load: list[int] = []
     serving: list[int] = []
     for k, ln in enumerate(lines):
-        if _READY_MARKS.search(ln.raw) or _SERVING_FRAMES.search(ln.raw):
+        if (
+            _READY_MARKS.search(ln.raw)
+            or _SERVING_FRAMES.search(ln.raw)
+            or _REQUEST_CONTEXT.search(ln.raw)
+        ):
             serving.append(k)
         elif _LOAD_FRAMES.search(ln.raw):
             load.append(k)
@@ -783,20 +867,20 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     ooms = _device_oom_hits(lines)
     vllm_load = _find(lines, _LOAD_OOM_VLLM)
     if ooms or vllm_load >= 0:
-        per_msg = [_oom_numbers(_window(lines, j, extra=1)) for j in ooms]
+        per_msg = [_oom_numbers(_message(lines, j)) for j in ooms]
         for j, n in zip(ooms, per_msg, strict=True):
             if _is_fragmentation(n):
                 return _make(FailureClass.FRAGMENTATION, lines[j], n)
         # Prefer the OOM line that carries the allocator's figures as evidence.
         best = next((j for j, n in zip(ooms, per_msg, strict=True) if n), None)
-        numbers = _oom_numbers(_window(lines, best, extra=1)) if best is not None else {}
+        numbers = _oom_numbers(_message(lines, best)) if best is not None else {}
         nccl = any(
             _NCCL_CONTEXT.search(ln.text) for j in ooms for ln in lines[max(j - 3, 0) : j + 1]
         )
         sub = "nccl_oom" if nccl else ""
         if vllm_load >= 0 and not was_ready:
             if not numbers:
-                numbers = _oom_numbers(_window(lines, vllm_load, extra=1))
+                numbers = _oom_numbers(_message(lines, vllm_load))
             ev = lines[vllm_load]
             sub = "weights_load" if "load model" in ev.text.lower() else "warmup"
             return _make(FailureClass.CUDA_OOM_LOAD, ev, numbers, subclass=sub)
@@ -850,6 +934,21 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     frame = _find(lines[: stop if stop >= 0 else None], _TRACEBACK)
     if frame >= 0:
         return _make(FailureClass.OTHER_FATAL, lines[frame], {}, subclass="traceback")
+    # A failure stated without an exception class or a traceback: "Exception in thread …",
+    # a bare "Error: …", V0's "Error executing method …", an exception class that does not
+    # end in Error, or a line logged at ERROR that says something failed.
+    failed = _find(lines[: stop if stop >= 0 else None], _FAILURE_STATEMENT)
+    if failed < 0:
+        failed = next(
+            (
+                k
+                for k, ln in enumerate(lines[: stop if stop >= 0 else None])
+                if ln.level == "ERROR" and _FAILURE_WORD.search(ln.text)
+            ),
+            -1,
+        )
+    if failed >= 0:
+        return _make(FailureClass.OTHER_FATAL, lines[failed], {}, subclass="error")
     if exit_code not in (None, 0):
         last_err = next((ln for ln in reversed(lines) if ln.level == "ERROR" and ln.text), None)
         return _make(FailureClass.OTHER_FATAL, last_err, {}, subclass="exited")
@@ -891,12 +990,33 @@ def _make(
     )
 
 
+# A log record pasted as JSON or as an HTTP error body keeps its newlines escaped.
+_ESCAPED_NEWLINE = re.compile(r"(?:\\r)?\\n")
+# ... where an escaped newline starts a line of a log (indentation, a frame, an exception),
+# not a Windows path ("C:\\new\\nodes").
+_ESCAPED_LINE_START = re.compile(
+    r"\\n(?=\s|$|\\|Traceback|File |(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b)"
+)
+
+
+def _lines_of(chunk: str) -> list[str]:
+    out: list[str] = []
+    for line in chunk.splitlines() or [""]:
+        # Two or more escaped newlines on one line: a traceback or a multi-line message
+        # inside a JSON string ("Traceback (most recent call last):\\n  File …\\n…").
+        if len(_ESCAPED_LINE_START.findall(line)) >= 2:
+            out.extend(_ESCAPED_NEWLINE.split(line))
+        else:
+            out.append(line)
+    return out
+
+
 def _split(lines: Sequence[str] | str) -> list[str]:
     if isinstance(lines, str):
-        return lines.splitlines()
+        return _lines_of(lines)
     out: list[str] = []
     for chunk in lines:
-        out.extend(chunk.splitlines() or [""])
+        out.extend(_lines_of(chunk))
     return out
 
 
