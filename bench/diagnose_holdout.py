@@ -39,6 +39,9 @@ DATA3 = DATA.with_name("real_excerpts_round3.jsonl")
 #: Round 4: new dev data (``dev4``) and a fresh hold-out (``holdout4``), committed before the
 #: classifier was run on them.
 DATA4 = DATA.with_name("real_excerpts_round4.jsonl")
+#: Round 5: a hold-out only (``holdout5``), collected after the round-5 classifier was
+#: committed and labelled before the classifier was run on it.
+DATA5 = DATA.with_name("real_excerpts_round5.jsonl")
 #: The splits whose individual misses may be listed (and so tuned on).
 DEV_SPLITS = frozenset({"dev", "dev3", "dev4"})
 
@@ -96,13 +99,16 @@ class Report:
 
 def load(split: str, path: Path = DATA) -> list[dict[str, Any]]:
     """The excerpts of one split: "dev", "holdout", "all" (both) of the first file,
-    "holdout2" of the second, "dev3" / "holdout3" of round 3, "dev4" / "holdout4" of round 4."""
+    "holdout2" of the second, "dev3" / "holdout3" of round 3, "dev4" / "holdout4" of round 4,
+    "holdout5" of round 5."""
     if path == DATA and split == "holdout2":
         path = DATA2
     elif path == DATA and split in ("dev3", "holdout3"):
         path = DATA3
     elif path == DATA and split in ("dev4", "holdout4"):
         path = DATA4
+    elif path == DATA and split == "holdout5":
+        path = DATA5
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if split == "all" or r["split"] == split]
 
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--split",
-        choices=["holdout", "dev", "all", "holdout2", "dev3", "holdout3", "dev4", "holdout4"],
+        choices=["holdout", "dev", "all", "holdout2", "dev3", "holdout3", "dev4", "holdout4"]
+        + ["holdout5"],
         default="holdout",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

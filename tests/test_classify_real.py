@@ -457,3 +457,26 @@ def test_bench_report_piped_into_a_closed_reader_exits_quietly() -> None:
         os.close(write_end)
     assert proc.stderr == ""
     assert proc.returncode == 128 + signal.SIGPIPE
+
+
+# --------------------------------------------------------------------------- round 5
+# real_excerpts_round5.jsonl: a hold-out only, committed before the classifier was run on it.
+
+
+def test_round5_is_a_holdout_disjoint_from_every_earlier_file() -> None:
+    """Round 5 is all hold-out, and neither its threads nor its texts (nor any long line of
+    them) are in an earlier file."""
+    rows = BENCH.load("holdout5")
+    assert len(rows) >= 30
+    earlier_rows = BENCH.load("all") + BENCH.load("holdout2") + BENCH.load("dev3")
+    earlier_rows += BENCH.load("holdout3") + BENCH.load("dev4") + BENCH.load("holdout4")
+    earlier_urls = {u for r in earlier_rows for u in r["source"].split()}
+    earlier_text = "\n".join(" ".join(r["text"].split()) for r in earlier_rows)
+    for row in rows:
+        assert row["split"] == "holdout5", row["id"]
+        assert row["source"].startswith("https://github.com/"), row["id"]
+        assert row["source"] not in earlier_urls, row["id"]
+        assert " ".join(row["text"].split()) not in earlier_text, row["id"]
+        for line in row["text"].splitlines():
+            line = " ".join(line.split())
+            assert len(line) <= 60 or line not in earlier_text, (row["id"], line)
