@@ -107,7 +107,7 @@ def test_second_holdout_does_not_regress() -> None:
 
 def test_no_false_memory_call_anywhere() -> None:
     """No excerpt of any file with a non-memory label is called a memory failure."""
-    for split in ("all", "holdout2", "dev3", "holdout3", "dev4", "holdout4"):
+    for split in ("all", "holdout2", "dev3", "holdout3", "dev4", "holdout4", "holdout5"):
         assert BENCH.evaluate(split).false_memory_calls == 0, split
 
 
@@ -480,3 +480,17 @@ def test_round5_is_a_holdout_disjoint_from_every_earlier_file() -> None:
         for line in row["text"].splitlines():
             line = " ".join(line.split())
             assert len(line) <= 60 or line not in earlier_text, (row["id"], line)
+
+
+#: The round-5 hold-out, scored once after its labels were committed: 25 of 34 with no false
+#: memory call (main before round 5's classifier change: also 25). Its misses were not
+#: looked at one by one and the classifier was not changed after the run.
+HOLDOUT5_CORRECT = 25
+
+
+def test_fifth_holdout_does_not_regress() -> None:
+    """The round-5 hold-out stays at or above its score, with no false memory call."""
+    report = BENCH.evaluate("holdout5")
+    assert report.total == 34
+    assert report.correct >= HOLDOUT5_CORRECT, BENCH.render(report)
+    assert report.false_memory_calls == 0, BENCH.render(report)
