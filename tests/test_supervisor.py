@@ -39,11 +39,15 @@ START_TIMEOUT = 420.0
 def engine_config(model: Path, port: int, **memory: Any) -> EngineConfig:
     """The tiny model on the CPU engine, eager: these tests are about supervision, and vLLM's
     torch.compile warm-up (its default on CPU) would add ~16 s to each of their 6 engine starts
-    (CI time is a budget); test_tiny_engine keeps vLLM's default path."""
+    (CI time is a budget); test_tiny_engine keeps vLLM's default path. stop_timeout 5 s:
+    after a kill -9 of the API server, vLLM's orphaned EngineCore waits out its own worker
+    shutdown grace and took 13.9 s to exit after SIGTERM (load 16.5), so 15 s waited there
+    for nothing; these tests judge that no process survives, which the SIGKILL after
+    stop_timeout guarantees either way."""
     return EngineConfig(
         model=str(model), served_model_name="chandra", port=port,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"},
-        startup_timeout=START_TIMEOUT, stop_timeout=15, stable_seconds=1.0,
+        startup_timeout=START_TIMEOUT, stop_timeout=5, stable_seconds=1.0,
         memory=MemoryConfig(gpu_memory_utilization=None, max_num_seqs=8,
                             max_num_batched_tokens=None, max_model_len=4096,
                             limit_mm_per_prompt={"image": 1}, enforce_eager=True,
