@@ -110,7 +110,7 @@ model = "{tiny_model_dir}"
 port = {port}
 cpu_affinity = ["0", "1"]
 startup_timeout = 900
-stop_timeout = 15
+stop_timeout = 5  # a kill -9'd replica's orphans wait out vLLM's worker grace (~14 s)
 stable_seconds = 5
 env = {{ VLLM_CPU_KVCACHE_SPACE = "1", OMP_NUM_THREADS = "1" }}
 
