@@ -531,9 +531,8 @@ def _release_memory(keep_store: bool = True) -> None:
     """After each call in a worker: empty MuPDF's resource store unless it is worth keeping
     (``keep_store`` and the worker below STORE_KEEP_RSS_BYTES) and hand freed heap back to
     the kernel, so a worker's RSS stays near its imports (bench/README.md)."""
-    import pymupdf
-
-    if not keep_store or _resident_bytes() > STORE_KEEP_RSS_BYTES:
+    pymupdf = sys.modules.get("pymupdf")  # not imported (yet) here: no store to empty
+    if pymupdf is not None and (not keep_store or _resident_bytes() > STORE_KEEP_RSS_BYTES):
         pymupdf.TOOLS.store_shrink(100)
     with contextlib.suppress(OSError, AttributeError):
         _libc().malloc_trim(0)

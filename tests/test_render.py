@@ -645,3 +645,14 @@ def test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages() -> None
     assert crops == len(HEAVY_PAGES)
     assert len(hwm) == 1
     assert hwm[0] <= WORKER_RSS_LIMIT_MB, f"worker VmHWM {hwm[0]} MB"
+
+
+def test_an_image_page_does_not_import_pymupdf() -> None:
+    """Rendering an image page empties MuPDF's store only where PyMuPDF is loaded: it
+    never imports PyMuPDF (~125 MB) into a process that had not."""
+    code = ("import sys; from pathlib import Path; from chandrad.render import render_page; "
+            f"render_page(Path({str(CORPUS_DIR / 'good' / 'image_hi-devanagari.png')!r}), 0, "
+            "None, 6291456); print('pymupdf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "False"
