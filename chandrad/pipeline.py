@@ -5,12 +5,16 @@ pool makes pixels, the engine (seen only as an ``EngineHandle``) answers, ``ocr`
 turns answers into Markdown/HTML/blocks, ``outputs`` writes files. Stages are small
 functions; :meth:`Pipeline.run_job` composes them.
 
-Saturation: page tasks render ahead of inference inside a window of
-``capacity + 3 × render workers`` live pages (rendering, rendered and waiting for a
-request slot, post-processing: one worker's worth each beyond the requests), and
-in-flight requests follow the engine's capacity (``max_num_seqs`` plus headroom, and
-``/metrics``), not a fixed batch. As many jobs run as the window has pages, so a
-backlog of one-page files fills the engine as well as one long PDF does.
+Saturation (issue 11): in-flight requests follow the engine's capacity (``max_num_seqs``
+plus headroom, and ``/metrics``), not a fixed batch, and page tasks render ahead of
+inference inside a window of ``capacity + render-ahead`` pages (rendering, rendered and
+waiting for a request slot, in flight), the render-ahead being half the capacity (at least
+3 pages per render worker). A page leaves the window when its answer arrives; answers
+waiting for or in post-processing have a bound of their own (the capacity). So while the
+engine is full, half a batch of rendered pages waits behind it, and when vLLM finishes
+requests in a burst their slots are refilled at once while the workers post-process the
+answers; post-processing never holds up rendering. As many jobs run as the window has
+pages, so a backlog of one-page files fills the engine as well as one long PDF does.
 Durability: every page result is committed to the store before it counts, so a
 restart resumes at page granularity and outputs are rebuilt from the store.
 
@@ -86,6 +90,8 @@ BACKOFF_MAX_S = 300.0
 #: Seconds before a held job (outputs unwritable) is tried again; doubles up to the max.
 HOLD_RETRY_FIRST = 5.0
 HOLD_RETRY_MAX = 60.0
+#: Pages rendered ahead of a full engine: its request limit divided by this (issue 11).
+RENDER_AHEAD_DIVISOR = 2
 
 _Settled = tuple[int, Path, Path, int, float]  # watch index, root, path, size, mtime
 
@@ -167,6 +173,24 @@ class DynamicLimiter:
             self._cond.notify_all()
 
 
+class _Hold:
+    """One page's slot in a :class:`DynamicLimiter`, given back at most once (a page
+    leaves the render-ahead window when its answer arrives, or when it ends otherwise)."""
+
+    def __init__(self, limiter: DynamicLimiter) -> None:
+        self.limiter = limiter
+        self.held = False
+
+    async def acquire(self) -> None:
+        await self.limiter.acquire()
+        self.held = True
+
+    async def release(self) -> None:
+        if self.held:
+            self.held = False
+            await self.limiter.release()
+
+
 @dataclass
 class _PageOutcome:
     ok: bool
@@ -202,6 +226,10 @@ class Pipeline:
         self.accepting = True
         self._inflight = DynamicLimiter(self._request_limit)
         self._window = DynamicLimiter(self._window_limit)
+        self._post = DynamicLimiter(self._request_limit)  # answers post-processing
+        #: Rendered pages waiting for a request slot (``status``; issue 11: while any wait,
+        #: the requests in flight should be at the limit).
+        self.pages_waiting = 0
         self._active: dict[int, asyncio.Task[None]] = {}
         self._active_paths: dict[int, Path] = {}
         self._backoff: dict[int, _Backoff] = {}
@@ -219,9 +247,11 @@ class Pipeline:
         return self.engine.capacity
 
     def _window_limit(self) -> int:
-        """Live pages: the requests, plus per render worker one page rendering, one
-        rendered and waiting for a request slot, one being post-processed."""
-        return self._request_limit() + 3 * self.workers
+        """Pages rendering, rendered and waiting for a request slot, or in flight: the
+        requests plus the render-ahead, half of them (at least 3 pages per render worker),
+        so that a burst of answers is refilled from rendered pages (issue 11)."""
+        limit = self._request_limit()
+        return limit + max(3 * self.workers, limit // RENDER_AHEAD_DIVISOR)
 
     # ------------------------------------------------------------ intake
     def submit(self, watch_index: int, root: Path, path: Path, size: int, mtime: float) -> None:
@@ -325,6 +355,7 @@ class Pipeline:
                     await self._wake.wait()
             await self._window.poke()
             await self._inflight.poke()
+            await self._post.poke()
 
     def _job_slots(self) -> int:
         """Jobs running at once: as many as the window has pages (one-page files fill
@@ -416,6 +447,16 @@ class Pipeline:
     @property
     def active_jobs(self) -> int:
         return len(self._active)
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests sent to the engine(s) and not answered yet."""
+        return self._inflight.in_use
+
+    @property
+    def request_limit(self) -> int:
+        """Requests in flight the pipeline aims for now (engine capacity or the config)."""
+        return self._request_limit()
 
     def idle(self) -> bool:
         """No accepted work left that can run (used by drain). Jobs held because their
@@ -574,14 +615,16 @@ class Pipeline:
         return True
 
     async def _page(self, job: Job, index: int) -> None:
-        await self._window.acquire()
+        window = _Hold(self._window)
+        await window.acquire()
         t0 = time.monotonic()
         try:
             await self.dispatching.wait()
             t0 = time.monotonic()
             page = await self._render(job, index)
             render_s = time.monotonic() - t0
-            outcome = await self._infer(job, index, page.png, page.width, page.height)
+            outcome = await self._infer(job, index, page.png, page.width, page.height,
+                                        window)
             if self.observer is not None:
                 self.observer.page_finished(outcome.ok, render_s, outcome.inference_s,
                                             time.monotonic() - t0)
@@ -598,7 +641,7 @@ class Pipeline:
                 self.observer.page_finished(False, elapsed, 0.0, elapsed)
             log.warning(Event.PAGE_FAILED, job=job.id, page=index + 1, error=exc.message)
         finally:
-            await self._window.release()
+            await window.release()
 
     async def _render(self, job: Job, index: int) -> RenderedPage:
         """Render one page; a crashed or hung worker takes its pool-mates down with it,
@@ -611,7 +654,7 @@ class Pipeline:
             return await self.render.render(*args)
 
     async def _infer(self, job: Job, index: int, png: bytes, width: int,
-                     height: int) -> _PageOutcome:
+                     height: int, window: _Hold) -> _PageOutcome:
         """Chandra's retry loop for one page; returns once the page is done or failed.
 
         As ``chandra.model.vllm.generate_vllm``: retried (up to ``ocr.retries`` times,
@@ -631,7 +674,11 @@ class Pipeline:
             await self.dispatching.wait()
             await self.engine.wait_ready()
             temperature, top_p = ocr.sampling_for_attempt(attempt)
-            await self._inflight.acquire()
+            self.pages_waiting += 1
+            try:
+                await self._inflight.acquire()
+            finally:
+                self.pages_waiting -= 1
             # The engine this request goes to (several: the one with most free capacity);
             # the request is built for it. None: every engine left ready meanwhile.
             target = self.engine.pick()
@@ -687,12 +734,18 @@ class Pipeline:
             attempt += 1
             if reply is not None:
                 text, finish = _reply_text(reply)
+                # Answered: the page's render-ahead slot goes to the next page now, so
+                # rendering goes on while the workers post-process a burst of answers.
+                await self._post.acquire()
                 try:
+                    await window.release()
                     outcome: ocr.PageResult | str = await self.render.postprocess(
                         text, finish, png, include_images=cfg.include_images,
                         include_headers_footers=cfg.include_headers_footers)
                 except (RenderCrashed, RenderTimeout) as exc:
                     outcome = f"post-processing failed: {exc.message}"
+                finally:
+                    await self._post.release()
                 if isinstance(outcome, ocr.PageResult):
                     truncated = finish == "length"
                     charged = self.store.page(job.id, index)

@@ -243,6 +243,9 @@ class ThroughputStatus(TypedDict):
     pages_per_min_1m: float
     pages_per_min_15m: float
     active_jobs: int
+    requests_in_flight: NotRequired[int]  #: sent to the engine(s), not answered yet
+    request_limit: NotRequired[int]  #: the requests in flight the pipeline aims for now
+    pages_waiting: NotRequired[int]  #: rendered, waiting for a request slot
 
 
 class StatusReply(TypedDict):

@@ -697,3 +697,44 @@ def test_one_117_page_pdf_fills_a_64_seq_engine(tmp_path: Path, standin: Standin
     run_async(body)
     assert len(standin.requests()) == 117
     assert standin.held_max() >= seqs, (standin.held_max(), seqs)
+
+
+def test_a_full_engine_has_half_a_batch_rendered_behind_it(tmp_path: Path,
+                                                           standin: StandinEngine,
+                                                           corpus_dir: Path) -> None:
+    """Issue 11, ``max_num_seqs = 64``: while the engine holds a full batch, chandrad renders
+    ahead, so that when answers come back (vLLM finishes requests in bursts) the freed slots
+    are refilled from pages already rendered, not one render at a time; and while rendered
+    pages wait, the requests in flight are at the limit. The stand-in holds every request
+    (its gate is never reached), the 117-page PDF gives pages to spare. With a render-ahead
+    of 3 pages per worker, the one worker rendered 3 pages and idled while the engine was
+    full; then a burst of answers held the window for post-processing and the engine's
+    batch fell to a few requests (bench: 80 -> 3 in flight on the stand-in)."""
+    seqs = 64
+    watch = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [watch],
+                          engine_lines=f"[engine.memory]\nmax_num_seqs = {seqs}\n")
+    standin.server.update(gate=10_000, gate_s=150)
+    pdf = watch.input / "long.pdf"
+    pdf.write_bytes((corpus_dir / "good" / "digital_de-math-lecture-notes_117p_geotopo.pdf")
+                    .read_bytes())
+    waiting_seen: list[tuple[int, int]] = []  # (rendered pages waiting, requests in flight)
+
+    async def body() -> None:
+        async with running(config) as run:
+            accept(run.store, watch, pdf)
+            run.pipeline._wake.set()
+            pipeline = run.pipeline
+
+            def rendered_ahead() -> bool:
+                if pipeline.pages_waiting:
+                    waiting_seen.append((pipeline.pages_waiting, pipeline.requests_in_flight))
+                return pipeline.pages_waiting >= seqs // 2
+
+            await run.wait("half a batch rendered ahead of a full engine", rendered_ahead,
+                           timeout=120)
+
+    run_async(body)
+    assert standin.held_max() >= seqs, (standin.held_max(), seqs)
+    short = [s for s in waiting_seen if s[1] < seqs]
+    assert not short, f"rendered pages waited while fewer than {seqs} were in flight: {short}"

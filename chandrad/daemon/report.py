@@ -92,6 +92,9 @@ def status_reply(daemon: Daemon) -> StatusReply:
             "pages_per_min_1m": float(store.pages_done_since(now - 60)),
             "pages_per_min_15m": round(store.pages_done_since(now - 900) / 15, 2),
             "active_jobs": pipeline.active_jobs if pipeline else 0,
+            "requests_in_flight": pipeline.requests_in_flight if pipeline else 0,
+            "request_limit": pipeline.request_limit if pipeline else 0,
+            "pages_waiting": pipeline.pages_waiting if pipeline else 0,
         },
         "gpus": nvml.gpu_summary().get("gpus", []),
     }
