@@ -46,6 +46,7 @@ from typing import Any
 
 import _proc
 import httpx
+import inflight
 
 from chandrad import ocr
 from chandrad.config import OcrConfig
@@ -67,7 +68,7 @@ FINISHED = ("done", "partial", "failed", "cancelled")
 TARGETS = {"ratio_to_ceiling": 0.9, "cli_multiple": 2.5, "idle_cpu_percent": 1.0,
            "rss_mb": 200.0, "backlog_seconds": 10.0, "cpu_s_per_page": 0.08,
            "render_worker_rss_mb": 200.0, "warm_latency_over_settle_s": 0.3,
-           "in_flight_max_over_max_num_seqs": 1.0}
+           "in_flight_at_seqs_while_waiting": 0.95, "engine_http_max_over_max_num_seqs": 1.0}
 
 
 def corpus_dir() -> Path:
@@ -109,7 +110,10 @@ def engine_argv(model: Path, port: int) -> list[str]:
     return [*pin, str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", SERVED, "--port", str(port),
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"]
+            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
+            # GET /load: chat requests in its API server, which its scheduler's gauges
+            # do not count yet (bench/inflight.py).
+            "--enable-server-load-tracking"]
 
 
 def wait_engine(proc: subprocess.Popen[bytes], base: str, timeout: float) -> None:
@@ -195,9 +199,19 @@ async def measure_engine(base: str, engine_sid: int, pngs: list[bytes], max_toke
         # Warm-up, not counted.
         await _saturate(client, bodies[:MAX_NUM_SEQS], MAX_NUM_SEQS, engine_sid)
         runs = []
-        for concurrency in sweep:
-            runs.append(await _saturate(client, bodies, concurrency, engine_sid))
-            log(f"  concurrency {concurrency}: {runs[-1]['pages_per_s']} pages/s")
+        with httpx.Client(base_url=base, timeout=5) as metrics:
+            for concurrency in sweep:
+                before, t0 = inflight.histograms(metrics), time.monotonic()
+                with inflight.Sampler(base) as sampler:
+                    one = await _saturate(client, bodies, concurrency, engine_sid)
+                one["in_flight"] = {
+                    **inflight.summary(sampler.samples, MAX_NUM_SEQS, sampler.every),
+                    **inflight.little(before, inflight.histograms(metrics),
+                                      time.monotonic() - t0)}
+                runs.append(one)
+                log(f"  concurrency {concurrency}: {one['pages_per_s']} pages/s; engine "
+                    f"/load mean {one['in_flight'].get('http_mean')}, scheduler mean "
+                    f"{one['in_flight'].get('scheduler_mean')}")
     best = max(runs, key=lambda r: r["pages_per_s"])
     return {"sweep": runs, "best_concurrency": best["concurrency"],
             "pages_per_s": best["pages_per_s"],
@@ -350,22 +364,14 @@ def measure_latency(run: DaemonRun, src: Path, name: str) -> dict[str, Any]:
                       "wall-clock time of the rename into the inbox"}
 
 
-def engine_requests(client: httpx.Client) -> float:
-    """Requests the engine holds now, by its own ``/metrics``: running + waiting."""
-    text = client.get("/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: float,
                 after_job: int, engine_sid: int, engine_base: str) -> dict[str, Any]:
     """All documents dropped at once; first drop → last job finished, from the store.
 
-    While it runs, the engine's ``/metrics`` is sampled every 0.25 s for the requests it
-    holds (running + waiting): ``engine_in_flight_max`` / ``_mean``.
+    While it runs, every 0.25 s (``bench/inflight.py``): the engine's ``/load`` (chat
+    requests in its API server), its scheduler's running + waiting
+    (``engine_in_flight_max`` / ``_mean``) and chandrad's ``status`` (requests in flight,
+    rendered pages waiting), in ``in_flight``, time-weighted.
     """
     names = [d.path.name for d in docs]
     engine0, daemon0 = _proc.session_cpu_seconds(engine_sid), _proc.session_cpu_seconds(run.pid)
@@ -373,9 +379,10 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     deadline = time.monotonic() + timeout
     peak_children = 0.0
     finished = 0
-    in_flight: list[float] = []  # the engine's own count: running + waiting requests
     worker_hwm: dict[int, float] = {}
-    with httpx.Client(base_url=engine_base, timeout=5) as engine_http:
+    with (httpx.Client(base_url=engine_base, timeout=5) as engine_http,
+          inflight.Sampler(engine_base, status=run.status) as sampler):
+        hist0 = inflight.histograms(engine_http)
         while time.monotonic() < deadline:
             rows = run.query("SELECT count(*) FROM jobs WHERE id > ? AND state IN "
                              f"({','.join('?' * len(FINISHED))})", (after_job, *FINISHED))
@@ -385,11 +392,10 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
             peak_children = max(peak_children, kids)
             for pid in workers:
                 worker_hwm[pid] = max(worker_hwm.get(pid, 0.0), rss_mb(pid, "VmHWM"))
-            with contextlib.suppress(httpx.HTTPError):
-                in_flight.append(engine_requests(engine_http))
             if finished >= len(docs):
                 break
             time.sleep(0.25)
+        hist1 = inflight.histograms(engine_http)
     engine_cpu = _proc.session_cpu_seconds(engine_sid) - engine0
     daemon_cpu = _proc.session_cpu_seconds(run.pid) - daemon0
     states = dict(run.query("SELECT state, count(*) FROM jobs WHERE id > ? GROUP BY state",
@@ -418,11 +424,12 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
         "rss_peak_mb": rss_mb(run.pid, "VmHWM"),
         "render_workers_rss_peak_mb": round(peak_children, 1),
         "render_worker_rss_hwm_mb": sorted(worker_hwm.values(), reverse=True),
-        "engine_in_flight_max": max(in_flight, default=None),
-        "engine_in_flight_mean": round(sum(in_flight) / len(in_flight), 1)
-        if in_flight else None,
-        "engine_in_flight_samples": len(in_flight),
+        "in_flight": {**inflight.summary(sampler.samples, MAX_NUM_SEQS, sampler.every),
+                      **inflight.little(hist0, hist1, seconds)},
     }
+    # The scheduler's gauges under their former names (earlier results have them).
+    result["engine_in_flight_max"] = result["in_flight"].get("scheduler_max")
+    result["engine_in_flight_mean"] = result["in_flight"].get("scheduler_mean")
     # Idle: nothing queued, the render pool alive; the bench does not poll meanwhile.
     time.sleep(3.0)
     cpu0, w0 = _proc.cpu_seconds(run.pid), time.monotonic()
@@ -603,14 +610,18 @@ def summarize(res: dict[str, Any]) -> None:
         targets["cpu_s_per_page"] = chandrad["daemon_cpu_s_per_page"]
     if chandrad.get("render_worker_rss_hwm_mb"):
         targets["render_worker_rss_mb"] = max(chandrad["render_worker_rss_hwm_mb"])
-    if chandrad.get("engine_in_flight_max") is not None:
-        targets["in_flight_max_over_max_num_seqs"] = round(
-            chandrad["engine_in_flight_max"] / res["settings"]["max_num_seqs"], 3)
+    flight = chandrad.get("in_flight", {})
+    if flight.get("chandrad_at_seqs_while_waiting") is not None:
+        targets["in_flight_at_seqs_while_waiting"] = flight["chandrad_at_seqs_while_waiting"]
+    if flight.get("http_max") is not None:
+        targets["engine_http_max_over_max_num_seqs"] = round(
+            flight["http_max"] / res["settings"]["max_num_seqs"], 3)
     warm = res.get("latency", {}).get("warm", {}).get("drop_to_first_request_s")
     if warm is not None:
         targets["warm_latency_over_settle_s"] = round(warm - res["settings"]["settle_seconds"],
                                                       3)
-    higher_is_better = {"ratio_to_ceiling", "cli_multiple", "in_flight_max_over_max_num_seqs"}
+    higher_is_better = {"ratio_to_ceiling", "cli_multiple", "in_flight_at_seqs_while_waiting",
+                        "engine_http_max_over_max_num_seqs"}
     res["targets"] = {
         name: {"value": value, "target": TARGETS[name],
                "met": value >= TARGETS[name] if name in higher_is_better
@@ -680,9 +691,28 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         f"{c.get('daemon_cpu_s_per_page')} | {eng_cli.get('cli_cpu_s_per_page')}")
     add("chandrad mean pages in flight | engine idle CPU",
         f"{c.get('mean_pages_in_flight')} | {c.get('engine_idle_cpu_percent')} %")
-    add("engine requests held (its /metrics): max / mean | max_num_seqs",
-        f"{c.get('engine_in_flight_max')} / {c.get('engine_in_flight_mean')} | "
-        f"{res['settings']['max_num_seqs']}")
+    seqs = res["settings"]["max_num_seqs"]
+    fl = c.get("in_flight", {})
+    add(f"in flight, mean / max (time-weighted): chandrad | engine /load | scheduler "
+        f"(max_num_seqs {seqs})",
+        f"{fl.get('chandrad_mean')} / {fl.get('chandrad_max')} | {fl.get('http_mean')} / "
+        f"{fl.get('http_max')} | {fl.get('scheduler_mean')} / {fl.get('scheduler_max')}")
+    add(f"rendered pages waited: s (max pages) | share with chandrad >= {seqs} "
+        "(target >= 0.95) | engine /load >= it",
+        f"{fl.get('pages_waiting_s')} ({fl.get('pages_waiting_max')}) | "
+        f"{fl.get('chandrad_at_seqs_while_waiting')} | {fl.get('http_at_seqs_while_waiting')}")
+    add(f"share of the run at >= {seqs}: chandrad | engine /load | scheduler",
+        f"{fl.get('chandrad_at_seqs_share')} | {fl.get('http_at_seqs_share')} | "
+        f"{fl.get('scheduler_at_seqs_share')}")
+    add("engine s/request: API server before the scheduler | scheduler queue | core",
+        f"{fl.get('api_server_s_per_request')} | {fl.get('queue_s_per_request')} | "
+        f"{fl.get('core_s_per_request')}")
+    best: dict[str, Any] = next((r for r in eng.get("sweep", [])
+                                 if r.get("concurrency") == eng.get("best_concurrency")), {})
+    bf = best.get("in_flight", {})
+    add("direct client at best concurrency: engine /load | scheduler, mean / max",
+        f"{bf.get('http_mean')} / {bf.get('http_max')} | {bf.get('scheduler_mean')} / "
+        f"{bf.get('scheduler_max')}")
     add("render workers RSS high-water mark each (target <= 200 MB)",
         c.get("render_worker_rss_hwm_mb"))
     add("shape: engine CPUs | chandrad CPUs",
