@@ -650,14 +650,17 @@ def test_a_failing_page_cancels_its_siblings(tmp_path: Path, standin: StandinEng
 def test_one_page_files_keep_the_engine_batch_full(tmp_path: Path,
                                                    standin: StandinEngine) -> None:
     """While rendered pages wait, the engine holds at least its ``max_num_seqs`` requests
-    (issue 11). 40 one-page files and an engine that takes 2 s a page: one-page jobs must
-    fill the batch as a long PDF does (it held 10 of 16 when jobs were capped at half the
-    capacity); the stand-in counts the requests it holds at once."""
+    (issue 11). 40 one-page files: one-page jobs must fill the batch as a long PDF does (it
+    held 10 of 16 when jobs were capped at half the capacity); the stand-in counts the
+    requests it holds at once, and answers nothing until it holds 16 (its ``gate``), so
+    the engine is the bottleneck whatever this box's render speed. With a fixed 2 s a
+    page instead it held 13 on the 2-core box at load 11 (16 renders in 2 s needed)."""
     seqs = 16
     watch = folders(tmp_path, "w")
     config = write_config(tmp_path, standin, [watch],
                           engine_lines=f"[engine.memory]\nmax_num_seqs = {seqs}\n")
-    standin.reply_default(Reply(delay=2.0))
+    standin.server.update(gate=seqs, gate_s=60)
+    standin.reply_default(Reply(delay=0.5))
     files = [make_image(watch.input / f"p{i:02d}.png", text=f"page {i}") for i in range(40)]
 
     async def body() -> None:
