@@ -679,6 +679,9 @@ class Pipeline:
                 await self._inflight.acquire()
             finally:
                 self.pages_waiting -= 1
+            if not self.dispatching.is_set():  # paused while it waited for a slot
+                await self._inflight.release()
+                continue
             # The engine this request goes to (several: the one with most free capacity);
             # the request is built for it. None: every engine left ready meanwhile.
             target = self.engine.pick()

@@ -742,3 +742,44 @@ def test_a_full_engine_has_half_a_batch_rendered_behind_it(tmp_path: Path,
     assert standin.held_max() >= seqs, (standin.held_max(), seqs)
     short = [s for s in waiting_seen if s[1] < seqs]
     assert not short, f"rendered pages waited while fewer than {seqs} were in flight: {short}"
+
+
+def test_a_pause_sends_no_page_that_was_waiting_for_a_request_slot(
+        tmp_path: Path, standin: StandinEngine, corpus_dir: Path) -> None:
+    """``chandractl pause`` (``dispatching`` cleared): the requests already at the engine
+    finish, but a rendered page still waiting for a request slot is not sent when a slot
+    frees; it goes on resume, and the job completes. It used to be sent: the pause was
+    checked only before the page queued for its slot."""
+    limit = 2
+    watch = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [watch], max_in_flight=limit)
+    # Every request is held ~15 s (the gate is never reached): time to pause with the
+    # limit at the engine and rendered pages queued behind it.
+    standin.server.update(gate=10_000, gate_s=15)
+    pdf = watch.input / "fifteen.pdf"
+    pdf.write_bytes((corpus_dir / "good" / "digital_federal-register_15p.pdf").read_bytes())
+
+    async def body() -> None:
+        async with running(config) as run:
+            pipeline = run.pipeline
+            job = accept(run.store, watch, pdf)
+            pipeline._wake.set()
+            await run.wait("the limit at the engine and a rendered page waiting",
+                           lambda: pipeline.requests_in_flight == limit
+                           and pipeline.pages_waiting >= 1, timeout=120)
+            pipeline.dispatching.clear()  # what the daemon's pause does
+            sent_at_pause = len(standin.requests())
+            assert sent_at_pause == limit, standin.requests()
+            await run.wait("the held requests answered",
+                           lambda: pipeline.requests_in_flight == 0, timeout=60)
+            for _ in range(20):  # 2 s: slots are free, pages are rendered, nothing goes
+                await asyncio.sleep(0.1)
+                assert len(standin.requests()) == sent_at_pause, (
+                    f"{len(standin.requests()) - sent_at_pause} pages sent while paused")
+            standin.server.update(gate=0)
+            pipeline.dispatching.set()  # resume
+            finished = await run.wait_finished(job.id, timeout=180)
+            assert finished.state is JobState.DONE, finished
+            assert len({e["sha256"] for e in standin.requests()}) == 15
+
+    run_async(body)
