@@ -31,6 +31,7 @@ import socket as socketlib
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import closing
@@ -60,6 +61,11 @@ OCR_REAL_ENGINE: Mapping[str, TomlValue] = {"max_output_tokens": 48, "retries": 
 _SYSTEMD_ENV = ("NOTIFY_SOCKET", "JOURNAL_STREAM", "WATCHDOG_USEC")
 #: Marks every process a harness daemon started, and their descendants.
 MARK_ENV = "CHANDRAD_TEST_DAEMON"
+#: One flag-check cache (systemd's ``CACHE_DIRECTORY``) for every harness daemon of this
+#: pytest process: vLLM's parser judges a config once, not at each of the daemon starts
+#: (``engine/flagcache.py``). ``CHANDRAD_TEST_FLAG_CACHE`` names one to keep between runs.
+SHARED_CACHE = os.environ.get("CHANDRAD_TEST_FLAG_CACHE") or tempfile.mkdtemp(
+    prefix="chandrad-test-cache-")
 
 
 # ---------------------------------------------------------------------------- config
@@ -253,6 +259,7 @@ class Daemon:
         """``chandrad run`` in its own session, output appended to ``daemon.log``."""
         env = {k: v for k, v in os.environ.items() if k not in _SYSTEMD_ENV}
         env[MARK_ENV] = self.marker
+        env["CACHE_DIRECTORY"] = SHARED_CACHE
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "chandrad", "run", "--config", str(self.config)],

@@ -39,6 +39,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "chandrad.engine.replicas",
              "chandrad.ocr"),
     "adapter": ("chandrad.engine.process", "chandrad.engine.session", "chandrad.engine.learned",
+                "chandrad.engine.flagcache",
                 "chandrad.engine.client", "chandrad.gpu",
                 "chandrad.store", "chandrad.watch", "chandrad.render", "chandrad.outputs",
                 "chandrad.systemd", "chandrad.logs", "chandrad.model_files", "chandrad.fetch",

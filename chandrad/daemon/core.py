@@ -41,6 +41,7 @@ from chandrad.daemon.wiring import (
     plan_engines,
 )
 from chandrad.engine.dispatch import Dispatcher
+from chandrad.engine.flagcache import FlagVerdictCache, flag_cache_dir
 from chandrad.engine.replicas import ReplicaSpec
 from chandrad.engine.supervisor import EngineSupervisor, FlagChecks
 from chandrad.errors import ChandradError, ConfigError, ExitCode, InternalError
@@ -86,7 +87,9 @@ class Daemon:
         #: pipeline sees them through the dispatcher.
         self.engines: list[EngineSupervisor] = []
         self.dispatcher: Dispatcher | None = None
-        self.flag_checks = FlagChecks()  # one vLLM flag check for every replica
+        # One vLLM flag check for every replica; a clean verdict also serves the next start.
+        self.flag_checks = FlagChecks(FlagVerdictCache(
+            flag_cache_dir(config.daemon.state_dir, os.environ)))
         self.pipeline: Pipeline | None = None
         self.watcher: FolderWatcher | None = None
         self.render: RenderPool | None = None

@@ -27,8 +27,14 @@ from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine.budget import RestartBudget
 from chandrad.engine.classify import Diagnosis, FailureClass
 from chandrad.engine.client import EngineClient
-from chandrad.engine.command import build_engine_command, validate_in_child
+from chandrad.engine.command import (
+    build_engine_command,
+    engine_flags,
+    engine_python,
+    validate_in_child,
+)
 from chandrad.engine.fetching import FetchChild, must_fetch, offline_not_cached
+from chandrad.engine.flagcache import FlagVerdictCache, verdict_key
 from chandrad.engine.generation import Generation, SessionFile, foreign_listener, port_taken
 from chandrad.engine.learned import learned_key, vllm_version_of
 from chandrad.engine.policy import ProfileChange, ProfilePolicy
@@ -84,22 +90,26 @@ class FlagChecks:
 
     Replicas differ only in port, GPUs and CPU list, which the parser does not judge: N
     replicas starting at once share one child (on a small host N children importing vLLM
-    at once could each exceed the check's deadline). Only a clean verdict is kept; a check
+    at once could each exceed the check's deadline). Only a clean verdict is kept, here
+    and, with ``cache``, on disk for the next daemon (``engine/flagcache.py``); a check
     with problems runs again next time."""
 
-    def __init__(self) -> None:
-        self._checks: dict[str, asyncio.Future[list[ConfigProblem]]] = {}
+    def __init__(self, cache: FlagVerdictCache | None = None) -> None:
+        self.cache = cache
+        self._checks: dict[str, asyncio.Future[tuple[list[ConfigProblem], bool]]] = {}
         self._waiters: dict[str, int] = {}
 
-    async def run(self, engine: EngineConfig, profile: MemoryProfile) -> list[ConfigProblem]:
+    async def run(self, engine: EngineConfig,
+                  profile: MemoryProfile) -> tuple[list[ConfigProblem], bool]:
+        """The problems vLLM's parser finds, and whether a stored clean verdict answered."""
         key = repr(replace(engine, port=0, gpus="", cpu_affinity=()))
         check = self._checks.get(key)
         if check is None:
             check = self._checks[key] = asyncio.ensure_future(
-                validate_in_child(engine, profile, engine.python or None))
+                self._check(key, engine, profile))
         self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
-            problems = await asyncio.shield(check)
+            problems, cached = await asyncio.shield(check)
         except BaseException:
             if self._waiters[key] == 1 and not check.done():
                 check.cancel()  # the last one waiting was stopped: kill the child
@@ -110,7 +120,21 @@ class FlagChecks:
             self._waiters[key] -= 1
         if problems:
             self._checks.pop(key, None)
-        return problems
+        return problems, cached
+
+    async def _check(self, key: str, engine: EngineConfig,
+                     profile: MemoryProfile) -> tuple[list[ConfigProblem], bool]:
+        python = engine_python(engine)
+        stored = None
+        if self.cache is not None:
+            flags = engine_flags(replace(engine, port=0, gpus="", cpu_affinity=()), profile)
+            stored = await asyncio.to_thread(verdict_key, python, key, flags)
+            if stored is not None and await asyncio.to_thread(self.cache.is_clean, stored):
+                return [], True
+        problems = await validate_in_child(engine, profile, engine.python or None)
+        if not problems and self.cache is not None and stored is not None:
+            await asyncio.to_thread(self.cache.remember_clean, stored)
+        return problems, False
 
 
 class EngineSupervisor:
@@ -346,9 +370,9 @@ class EngineSupervisor:
         process (the daemon never imports vLLM)."""
         profile = initial_profile(engine.memory, self._gpu_total())
         t0 = time.monotonic()
-        problems = await self.flag_checks.run(engine, profile)
+        problems, cached = await self.flag_checks.run(engine, profile)
         self.log.info("engine_flags_checked", problems=[str(p) for p in problems],
-                      seconds=round(time.monotonic() - t0, 1))
+                      cached=cached, seconds=round(time.monotonic() - t0, 1))
         if not problems:
             self._flags_checked = engine  # a reload's check also serves the spawn after it
         return problems
