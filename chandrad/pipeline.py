@@ -562,7 +562,8 @@ class Pipeline:
         if not await self._same_content(job, watch):
             return
         info = await self.render.probe(job.abs_path, self.config.ocr.max_pages)
-        self.store.set_job_state(job.id, JobState.RUNNING, pages_total=info.page_count)
+        # One transaction sets ``pages_total`` and creates the pages (issue 8: each write
+        # transaction is an fsync on the event loop's thread, paid per one-page file).
         self.store.init_pages(job.id, info.page_count)
         todo = [p.index for p in self.store.pages(job.id)
                 if p.state in (PageState.PENDING, PageState.IN_FLIGHT)]

@@ -783,3 +783,43 @@ def test_a_pause_sends_no_page_that_was_waiting_for_a_request_slot(
             assert len({e["sha256"] for e in standin.requests()}) == 15
 
     run_async(body)
+
+
+# ----------------------------------------------------------------- issue 8 (backlog rate)
+
+
+def test_a_one_page_job_commits_six_write_transactions(tmp_path: Path,
+                                                       standin: StandinEngine) -> None:
+    """Every write transaction is an fsync of the WAL on the event loop's thread
+    (``synchronous=FULL``); a backlog of one-page files pays them per file (issue 8).
+    From start to ``done`` a one-page job needs six, each for a durability reason:
+    ``running`` (counts the attempt), its pages, the page's claim and its result, where
+    the input is going (before the move), and ``done``. The page count used to be
+    written twice (``set_job_state(pages_total=)`` and ``init_pages``): seven."""
+    watch = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [watch])
+    image = make_image(watch.input / "one.png", text="one page")
+    writes: list[list[str]] = []
+    current: list[str] = []
+
+    def trace(statement: str) -> None:
+        word = statement.split(None, 1)[0].upper()
+        if word == "BEGIN":
+            current.clear()
+        elif word == "COMMIT":
+            if any(s.split(None, 1)[0].upper() in ("INSERT", "UPDATE", "DELETE")
+                   for s in current):
+                writes.append(list(current))
+        else:
+            current.append(statement)
+
+    async def body() -> None:
+        async with running(config) as run:
+            job = accept(run.store, watch, image)
+            run.store._conn.set_trace_callback(trace)
+            run.pipeline._wake.set()
+            assert (await run.wait_finished(job.id)).state is JobState.DONE
+            run.store._conn.set_trace_callback(None)
+
+    run_async(body)
+    assert len(writes) == 6, "\n".join(" | ".join(s[:60] for s in tx) for tx in writes)
