@@ -80,8 +80,11 @@ def backlog(root: Path, files: int, scale: float = 1.0) -> list[tuple[Path, str,
     """``files`` one-page PNGs: hard links of one corpus image (distinct names).
 
     ``scale`` < 1 links a copy of that image scaled down by that factor instead (made once
-    under ``root``): the backlog is about queueing and restarts, and a smaller page lets
-    10,000 of them through a shared two-core machine in minutes rather than an hour.
+    under ``root``). It does not make the page cheaper: an image is rendered up to
+    Chandra's 1536 px minimum side whatever its size, so the 0.25x copy (256x122) becomes
+    the same 3220x1540 page as the original (1024x486, 3248x1540), at 0.125 rather than
+    0.106 render CPU-s and a 2.78 rather than 2.41 MB PNG (issue 8's measurement). Only
+    ``--max-pixels`` shrinks the work per page.
     """
     src = CORPUS / "good" / "image_hi-devanagari.png"
     if scale < 1.0:
@@ -124,6 +127,7 @@ class Sampler:
     def __init__(self, pid: int, every: float) -> None:
         self.pid, self.every = pid, every
         self.samples: list[dict[str, float]] = []
+        self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds)
         #: Seconds from the start before which samples are warm-up (engine start, first
         #: pages): left out of the summary.
         self.warm_after = 60.0
@@ -148,11 +152,13 @@ class Sampler:
                     rss = proc.memory_info().rss
                     fds = proc.num_fds()
                     threads = proc.num_threads()
+                    self._cpu_seen(proc)
                 kids = proc.children(recursive=True)
                 kid_rss = 0
                 for k in kids:
                     try:
                         kid_rss += k.memory_info().rss
+                        self._cpu_seen(k)
                     except psutil.Error:
                         pass
                 self.samples.append({
@@ -162,6 +168,22 @@ class Sampler:
             except psutil.Error:
                 pass
             self._stop.wait(self.every)
+
+    def _cpu_seen(self, proc: Any) -> None:
+        """Note ``proc``'s CPU seconds so far (user + system), under its role."""
+        cmd = " ".join(proc.cmdline())
+        role = ("daemon" if proc.pid == self.pid else "engine" if "standin_engine" in cmd
+                or "vllm" in cmd else "render" if "spawn_main" in cmd else "other")
+        times = proc.cpu_times()
+        self._cpu[proc.pid] = (role, times.user + times.system)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds by role (daemon, render workers, engine generations, other) as last
+        sampled: a process's last ``every`` seconds before it ended are not counted."""
+        out: dict[str, float] = {}
+        for role, seconds in self._cpu.values():
+            out[role] = round(out.get(role, 0.0) + seconds, 1)
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Per figure: the median of the first and of the last tenth of the run after
@@ -201,7 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         toml = remote.toml
     else:
         toml = standin_engine(root, port=port)
-    ocr = {**OCR, "max_output_tokens": args.max_tokens}
+    ocr = {**OCR, "max_output_tokens": args.max_tokens, "render_workers": args.render_workers}
     if args.max_pixels:
         ocr["max_pixels"] = args.max_pixels
     d = Daemon(root, toml, settle=0.5, ocr=ocr)
@@ -314,6 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lost": len(a.lost), "done_twice": len(a.done_twice),
         "duplicate_jobs": len(a.duplicate_jobs), "page_count_mismatch": len(a.bad_outputs),
         "states": a.states, "daemon_exit": code, "resources": sampler.summary(),
+        "cpu_s": sampler.cpu_seconds(),
         "samples": sampler.samples,
         "details": {
             "lost": a.lost[:20], "done_twice": a.done_twice[:20],
@@ -331,6 +354,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     done_pages = len(d.done_pages())
     result["pages_done"] = done_pages
     result["pages_per_min"] = round(done_pages / wall * 60, 1)
+    result["files_per_s"] = round(result["files_done"] / wall, 2)
+    # CPU per finished file, by process: where a backlog's time goes (issue 8).
+    result["cpu_s_per_file"] = {role: round(s / max(1, result["files_done"]), 4)
+                                for role, s in result["cpu_s"].items()}
     if stopped_early:
         left = result["files_unfinished"]
         result["projected_drain_s"] = round(left / max(done_pages, 1) * wall, 0)
@@ -358,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill", type=float, nargs=2, default=[30.0, 90.0], metavar=("MIN", "MAX"))
     p.add_argument("--backlog", type=int, default=0, help="N one-page files instead of --pages")
     p.add_argument("--backlog-scale", type=float, default=1.0,
-                   help="scale the backlog's page image by this factor (< 1: smaller pages)")
+                   help="scale the backlog's page image by this factor (< 1: a smaller "
+                        "file, not less work: images are rendered up to 1536 px anyway)")
     p.add_argument("--max-tokens", type=int, default=48,
                    help="ocr.max_output_tokens (the tiny model never stops on its own: "
                         "every page costs this many decode steps)")
@@ -367,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                         "cost less render and engine time on a small machine")
     p.add_argument("--restart-every", type=float, nargs=2, default=None,
                    metavar=("MIN", "MAX"), help="chandractl engine restart instead of kill")
+    p.add_argument("--render-workers", type=int, default=1,
+                   help="ocr.render_workers (0: chandrad's default, one per CPU)")
     p.add_argument("--standin-delay", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=random.randrange(1 << 30))
     p.add_argument("--timeout", type=float, default=6 * 3600)
