@@ -102,11 +102,12 @@ class FlagChecks:
     async def run(self, engine: EngineConfig,
                   profile: MemoryProfile) -> tuple[list[ConfigProblem], bool]:
         """The problems vLLM's parser finds, and whether a stored clean verdict answered."""
-        key = repr(replace(engine, port=0, gpus="", cpu_affinity=()))
+        judged = replace(engine, port=0, gpus="", cpu_affinity=())  # what the parser sees
+        key = repr(judged)
         check = self._checks.get(key)
         if check is None:
             check = self._checks[key] = asyncio.ensure_future(
-                self._check(key, engine, profile))
+                self._check(key, judged, engine, profile))
         self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
             problems, cached = await asyncio.shield(check)
@@ -122,12 +123,12 @@ class FlagChecks:
             self._checks.pop(key, None)
         return problems, cached
 
-    async def _check(self, key: str, engine: EngineConfig,
+    async def _check(self, key: str, judged: EngineConfig, engine: EngineConfig,
                      profile: MemoryProfile) -> tuple[list[ConfigProblem], bool]:
         python = engine_python(engine)
         stored = None
         if self.cache is not None:
-            flags = engine_flags(replace(engine, port=0, gpus="", cpu_affinity=()), profile)
+            flags = engine_flags(judged, profile)
             stored = await asyncio.to_thread(verdict_key, python, key, flags)
             if stored is not None and await asyncio.to_thread(self.cache.is_clean, stored):
                 return [], True
