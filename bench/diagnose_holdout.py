@@ -13,7 +13,9 @@ makes chandrad shrink a profile that was never the problem).
 The hold-out split is chosen by a hash of the source URL and is never used to tune the
 classifier: ``--misses`` refuses it, so its individual errors are not looked at. Each
 round's hold-out score, taken once, is recorded in tests/fixtures/classify/README.md; the
-latest (round 5, ``--split holdout5``): 25/34 = 0.735, 0 false memory calls.
+latest scored (round 5, then ``holdout5``, now the dev split ``dev5``): 25/34 = 0.735, 0 false
+memory calls. Round 6's hold-out is ``--split holdout6`` (``real_excerpts_round6.jsonl``,
+read only when that file exists).
 """
 
 from __future__ import annotations
@@ -39,11 +41,28 @@ DATA3 = DATA.with_name("real_excerpts_round3.jsonl")
 #: Round 4: new dev data (``dev4``) and a fresh hold-out (``holdout4``), committed before the
 #: classifier was run on them.
 DATA4 = DATA.with_name("real_excerpts_round4.jsonl")
-#: Round 5: a hold-out only (``holdout5``), collected after the round-5 classifier was
-#: committed and labelled before the classifier was run on it.
+#: Round 5: collected after the round-5 classifier was committed and scored once as the
+#: hold-out ``holdout5`` (25/34); dev data (``dev5``) from round 6 on.
 DATA5 = DATA.with_name("real_excerpts_round5.jsonl")
+#: Round 6: a hold-out only (``holdout6``), collected while the round-6 classifier was tuned
+#: on the dev splits. Read only when the file exists.
+DATA6 = DATA.with_name("real_excerpts_round6.jsonl")
 #: The splits whose individual misses may be listed (and so tuned on).
-DEV_SPLITS = frozenset({"dev", "dev3", "dev4"})
+DEV_SPLITS = frozenset({"dev", "dev3", "dev4", "dev5"})
+#: Every split ``--split`` accepts, and the file (in the fixtures folder) it is read from.
+FILES = {
+    "holdout": DATA.name,
+    "dev": DATA.name,
+    "all": DATA.name,
+    "holdout2": DATA2.name,
+    "dev3": DATA3.name,
+    "holdout3": DATA3.name,
+    "dev4": DATA4.name,
+    "holdout4": DATA4.name,
+    "dev5": DATA5.name,
+    "holdout6": DATA6.name,
+}
+
 
 MEMORY_CLASSES = frozenset(
     {
@@ -97,28 +116,27 @@ class Report:
         }
 
 
-def load(split: str, path: Path = DATA) -> list[dict[str, Any]]:
+def load(split: str, path: Path | None = None, *, root: Path = DATA.parent) -> list[dict[str, Any]]:
     """The excerpts of one split: "dev", "holdout", "all" (both) of the first file,
     "holdout2" of the second, "dev3" / "holdout3" of round 3, "dev4" / "holdout4" of round 4,
-    "holdout5" of round 5."""
-    if path == DATA and split == "holdout2":
-        path = DATA2
-    elif path == DATA and split in ("dev3", "holdout3"):
-        path = DATA3
-    elif path == DATA and split in ("dev4", "holdout4"):
-        path = DATA4
-    elif path == DATA and split == "holdout5":
-        path = DATA5
+    "dev5" of round 5 (its hold-out until round 6), "holdout6" of round 6. ``path`` reads
+    that one file instead; ``root`` is the folder the split's file is looked up in.
+
+    Raises FileNotFoundError when the split's file does not exist (``holdout6`` before its
+    collection lands).
+    """
+    if path is None:
+        path = root / FILES[split]
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if split == "all" or r["split"] == split]
 
 
-def evaluate(split: str, path: Path = DATA) -> Report:
+def evaluate(split: str, path: Path | None = None, *, root: Path = DATA.parent) -> Report:
     """Classify every excerpt of ``split`` and count."""
     confusion: Counter[tuple[FailureClass, FailureClass]] = Counter()
     misses: list[tuple[str, FailureClass, FailureClass]] = []
     correct = false_memory = 0
-    rows = load(split, path)
+    rows = load(split, path, root=root)
     for row in rows:
         truth = FailureClass(row["label"])
         got = classify(row["text"]).cls
@@ -151,20 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--split",
-        choices=["holdout", "dev", "all", "holdout2", "dev3", "holdout3", "dev4", "holdout4"]
-        + ["holdout5"],
+        choices=list(FILES),
         default="holdout",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--fixtures",
+        type=Path,
+        default=DATA.parent,
+        help="folder holding the excerpt files (default: tests/fixtures/classify)",
+    )
     parser.add_argument(
         "--misses", action="store_true", help="list misclassified excerpts (not for holdout)"
     )
     args = parser.parse_args(argv)
     if args.misses and args.split not in DEV_SPLITS:
-        print("--misses is for the dev splits only: a hold-out is never tuned on",
-              file=sys.stderr)
+        print("--misses is for the dev splits only: a hold-out is never tuned on", file=sys.stderr)
         return 2
-    report = evaluate(args.split)
+    try:
+        report = evaluate(args.split, root=args.fixtures)
+    except FileNotFoundError as exc:
+        print(f"split {args.split}: no excerpt file ({exc.filename})", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -11,6 +11,7 @@ memory failure (that would make the daemon shrink a profile that was never the p
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -44,9 +45,10 @@ DEV: list[dict[str, Any]] = BENCH.load("dev")
 #: Hold-out score of the classifier as frozen (commit "Diagnosis generalises"): 50 of 53.
 #: Before that work the same split scored 46/53. Round 5's phase markers (tuned on the dev
 #: splits only) cost one of them (49; its miss was not looked at) while the third and fourth
-#: hold-outs gained three; see tests/fixtures/classify/README.md, round 5. Raise it only with
-#: a better classifier that was not tuned on the hold-out's misses.
-HOLDOUT_CORRECT = 49
+#: hold-outs gained three; round 6's rules (tuned on dev5) cost one more (48) while the second
+#: hold-out gained one; see tests/fixtures/classify/README.md, rounds 5 and 6. Raise it only
+#: with a better classifier that was not tuned on the hold-out's misses.
+HOLDOUT_CORRECT = 48
 
 #: Dev excerpts the classifier is known to get wrong, with the reason. Strict: fixing one
 #: makes its test fail until it is removed from here.
@@ -107,7 +109,7 @@ def test_second_holdout_does_not_regress() -> None:
 
 def test_no_false_memory_call_anywhere() -> None:
     """No excerpt of any file with a non-memory label is called a memory failure."""
-    for split in ("all", "holdout2", "dev3", "holdout3", "dev4", "holdout4", "holdout5"):
+    for split in ("all", "holdout2", "dev3", "holdout3", "dev4", "holdout4", "dev5"):
         assert BENCH.evaluate(split).false_memory_calls == 0, split
 
 
@@ -430,6 +432,105 @@ def test_generalised_wordings(text: str, label: FailureClass) -> None:
     assert classify(text).cls is label, classify(text)
 
 
+#: Round 6: the rules behind the dev5 misses (the spent round-5 hold-out), in made-up texts of
+#: the same shapes; each classified otherwise before the change.
+ROUND6_RULES = [
+    # syslog/journalctl's "Mon DD hh:mm:ss host unit[pid]: " before each line hid a frame.
+    (
+        "Aug 17 18:42:18 gpu1 vllm[8052]: (APIServer pid=8052)   File "
+        '"/usr/lib/python3.12/asyncio/runners.py", line 118, in run\n'
+        "Aug 17 18:42:18 gpu1 vllm[8052]: (APIServer pid=8052)     return self._loop.run()",
+        FailureClass.OTHER_FATAL,
+    ),
+    # IPython's and Colab's traceback frames, cut before the exception line.
+    (
+        "[/usr/lib/python3/dist-packages/pkg/api.py](https://localhost:8080/#) in build(self, x)\n"
+        "    245 \n--> 247         self.engine = Engine.create(x)\n    248 ",
+        FailureClass.OTHER_FATAL,
+    ),
+    (
+        "Cell In[4], line 2\n      1 from pkg import Model\n----> 2 m = Model('x')",
+        FailureClass.OTHER_FATAL,
+    ),
+    # A native backtrace (glibc's backtrace_symbols form) logged at ERROR: a crash.
+    (
+        "ERROR 01-02 03:04:05 [engine.py:1]  --- /opt/env/bin/python(PyObject_Call+0x122) "
+        "[0x559d06bdfe72]\n"
+        "ERROR 01-02 03:04:05 [engine.py:1]  --- /opt/env/lib/libfoo.so(+0x1981d1) [0x7f06bdf1d1]",
+        FailureClass.OTHER_FATAL,
+    ),
+    # Rust's and Go's panics.
+    ("thread 'main' panicked at src/main.rs:12:5:\ncalled `unwrap()`", FailureClass.OTHER_FATAL),
+    ("panic: runtime error: index out of range\ngoroutine 1 [running]:", FailureClass.OTHER_FATAL),
+    # A process's non-zero exit in an IDE's words; systemd's (which was already one) but not
+    # when systemd itself stopped the service with SIGTERM.
+    ("Process finished with exit code 1", FailureClass.OTHER_FATAL),
+    (
+        "Aug 17 18:42:19 gpu1 systemd[1]: vllm.service: Main process exited, code=exited, "
+        "status=1/FAILURE",
+        FailureClass.OTHER_FATAL,
+    ),
+    (
+        "Aug 17 18:42:19 gpu1 systemd[1]: Stopping vllm.service...\n"
+        "Aug 17 18:42:20 gpu1 systemd[1]: vllm.service: Main process exited, code=killed, "
+        "status=15/TERM",
+        FailureClass.NONE,
+    ),
+    # A failure stated by its verb, at no level; but not as a possibility.
+    ("[TP0] Scheduler hit an exception.", FailureClass.OTHER_FATAL),
+    ("If you encountered an error, please open an issue.", FailureClass.NONE),
+    # Exception classes named by their module or by "Timeout".
+    ("zmq.error.Again: Resource temporarily unavailable", FailureClass.OTHER_FATAL),
+    ("httpx.ReadTimeout: timed out", FailureClass.OTHER_FATAL),
+    # The kernel's OOM-killer task table, under "dmesg -T"'s bracketed local date; one row of
+    # numbers alone proves nothing.
+    (
+        "[Thu Mar 20 21:01:25 2025] [   2665]     0  2665    55756      339    77824       68"
+        "             0 crond\n"
+        "[Thu Mar 20 21:01:25 2025] [   3430]     0  3430    58945     1927   212992      642"
+        "             0 rsyslogd",
+        FailureClass.HOST_OOM,
+    ),
+    ("[  2665]     0  2665    55756      339    77824       68        0 crond", FailureClass.NONE),
+    # An OOM under a model's forward, pasted from a stack other than vLLM: inference work ...
+    (
+        '  File "/env/site-packages/torch/nn/modules/module.py", line 1501, in _call_impl\n'
+        '  File "/env/site-packages/transformers/models/llama/modeling_llama.py", line 94, in '
+        "_expand_mask\n"
+        "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB",
+        FailureClass.CUDA_OOM_RUNTIME,
+    ),
+    (
+        'File "kernels/fla/chunk.py", line 129, in chunk_fwd\n'
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 180.00 MiB.",
+        FailureClass.CUDA_OOM_RUNTIME,
+    ),
+    # ... but in a vLLM paste the same forward is also the start-up profile run's.
+    (
+        '  File "/env/site-packages/vllm/model_executor/models/llama.py", line 5, in forward\n'
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB",
+        FailureClass.CUDA_OOM_LOAD,
+    ),
+    # The failure stated against a request or a generation, or requests being handled.
+    (
+        "router: Request failed during generation: Server error: CUDA out of memory. Tried to "
+        "allocate 16.00 MiB",
+        FailureClass.CUDA_OOM_RUNTIME,
+    ),
+    (
+        "CUDA runtime erroe : out of memory\nit keeps allocating memory when handling a request",
+        FailureClass.CUDA_OOM_RUNTIME,
+    ),
+    # "CUDA <anything> : out of memory" is a device OOM; with nothing to place it, load.
+    ("CUDA runtime erroe : out of memory", FailureClass.CUDA_OOM_LOAD),
+]
+
+
+@pytest.mark.parametrize(("text", "label"), ROUND6_RULES)
+def test_round6_rules(text: str, label: FailureClass) -> None:
+    assert classify(text).cls is label, classify(text)
+
+
 def test_engine_death_after_requested_shutdown_is_none() -> None:
     """EngineDeadError after SIGTERM is the shutdown's consequence, not an engine_died fault."""
     lines = [
@@ -460,20 +561,22 @@ def test_bench_report_piped_into_a_closed_reader_exits_quietly() -> None:
 
 
 # --------------------------------------------------------------------------- round 5
-# real_excerpts_round5.jsonl: a hold-out only, committed before the classifier was run on it.
+# real_excerpts_round5.jsonl: committed before the classifier was run on it and scored once as
+# the hold-out "holdout5" (25 of 34, no false memory call; its misses were not looked at then).
+# Recorded, it became dev data for round 6 ("dev5"): its misses may be listed and tuned on.
 
 
-def test_round5_is_a_holdout_disjoint_from_every_earlier_file() -> None:
-    """Round 5 is all hold-out, and neither its threads nor its texts (nor any long line of
-    them) are in an earlier file."""
-    rows = BENCH.load("holdout5")
+def test_round5_is_disjoint_from_every_earlier_file() -> None:
+    """Round 5 (now dev5): neither its threads nor its texts (nor any long line of them) are
+    in an earlier file."""
+    rows = BENCH.load("dev5")
     assert len(rows) >= 30
     earlier_rows = BENCH.load("all") + BENCH.load("holdout2") + BENCH.load("dev3")
     earlier_rows += BENCH.load("holdout3") + BENCH.load("dev4") + BENCH.load("holdout4")
     earlier_urls = {u for r in earlier_rows for u in r["source"].split()}
     earlier_text = "\n".join(" ".join(r["text"].split()) for r in earlier_rows)
     for row in rows:
-        assert row["split"] == "holdout5", row["id"]
+        assert row["split"] == "dev5", row["id"]
         assert row["source"].startswith("https://github.com/"), row["id"]
         assert row["source"] not in earlier_urls, row["id"]
         assert " ".join(row["text"].split()) not in earlier_text, row["id"]
@@ -482,15 +585,92 @@ def test_round5_is_a_holdout_disjoint_from_every_earlier_file() -> None:
             assert len(line) <= 60 or line not in earlier_text, (row["id"], line)
 
 
-#: The round-5 hold-out, scored once after its labels were committed: 25 of 34 with no false
-#: memory call (main before round 5's classifier change: also 25). Its misses were not
-#: looked at one by one and the classifier was not changed after the run.
-HOLDOUT5_CORRECT = 25
+DEV5: list[dict[str, Any]] = BENCH.load("dev5")
+
+#: Dev-5 excerpts the classifier gets wrong, with the reason (strict: fixing one fails here).
+KNOWN_DEV5_MISSES = {
+    # text-generation-inference's own sentence for a device OOM in its warm-up, with no
+    # out-of-memory wording of PyTorch or the driver: chandrad supervises vLLM, not TGI, and
+    # one stack's sentence is not a rule.
+    "tgi-1067": "TGI's own wording of an OOM, no device-OOM wording",
+}
 
 
-def test_fifth_holdout_does_not_regress() -> None:
-    """The round-5 hold-out stays at or above its score, with no false memory call."""
-    report = BENCH.evaluate("holdout5")
-    assert report.total == 34
-    assert report.correct >= HOLDOUT5_CORRECT, BENCH.render(report)
-    assert report.false_memory_calls == 0, BENCH.render(report)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            c,
+            id=c["id"],
+            marks=[pytest.mark.xfail(reason=KNOWN_DEV5_MISSES[c["id"]], strict=True)]
+            if c["id"] in KNOWN_DEV5_MISSES
+            else [],
+        )
+        for c in DEV5
+    ],
+)
+def test_dev5_excerpt(case: dict[str, Any]) -> None:
+    """Every round-5 excerpt (the spent hold-out, now dev) classifies to its hand label."""
+    d = classify(case["text"])
+    assert d.cls is FailureClass(case["label"]), (case["source"], d)
+
+
+
+# --------------------------------------------------------------------------- round 6
+# The round-6 hold-out (real_excerpts_round6.jsonl) is scored once by the coordinator after the
+# round-6 classifier is frozen; these tests use a file of their own, never that one.
+
+
+def _write_round6(folder: Path) -> None:
+    rows = [
+        {"id": "a-1", "label": "other_fatal", "split": "holdout6",
+         "source": "https://github.com/example/a/issues/1",
+         "text": "Traceback (most recent call last):\nValueError: bad"},
+        {"id": "b-2", "label": "none", "split": "holdout6",
+         "source": "https://github.com/example/b/issues/2",
+         "text": "INFO 01-01 00:00:00 [api_server.py:1] Started server process"},
+        {"id": "c-3", "label": "cuda_oom_runtime", "split": "holdout6",
+         "source": "https://github.com/example/c/issues/3",
+         "text": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."},
+    ]
+    (folder / "real_excerpts_round6.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )
+
+
+def test_holdout6_split_reads_round6_file(tmp_path: Path) -> None:
+    """``--split holdout6`` reads real_excerpts_round6.jsonl from the fixtures folder and
+    scores it like the other hold-outs."""
+    _write_round6(tmp_path)
+    assert [r["id"] for r in BENCH.load("holdout6", root=tmp_path)] == ["a-1", "b-2", "c-3"]
+    report = BENCH.evaluate("holdout6", root=tmp_path)
+    assert (report.total, report.correct, report.false_memory_calls) == (3, 2, 0)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout6",
+         "--fixtures", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "split=holdout6 n=3 correct=2" in proc.stdout
+
+
+def test_holdout6_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
+    """``--misses`` refuses holdout6 (it is never tuned on) before reading anything; without
+    the file the script says so and exits 2 instead of a traceback."""
+    _write_round6(tmp_path)
+    script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout6"]
+    refused = subprocess.run(
+        [*script, "--fixtures", str(tmp_path), "--misses"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert refused.returncode == 2
+    assert "dev splits only" in refused.stderr and refused.stdout == ""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = subprocess.run(
+        [*script, "--fixtures", str(empty)], capture_output=True, text=True, timeout=120,
+        check=False,
+    )
+    assert missing.returncode == 2
+    assert "real_excerpts_round6.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+    assert "dev5" in BENCH.DEV_SPLITS and "holdout6" not in BENCH.DEV_SPLITS

@@ -8,9 +8,9 @@ How it decides, in order of strength:
 1. Each line is cleaned (ANSI colours, HTML colour tags, timestamps, the
    ``(EngineCore_DP0 pid=..)`` / ``(VllmWorker rank=0 pid=..)`` process tags,
    ``LEVEL date [file.py:N]`` headers, quote bars, a log multiplexer's name column such as
-   docker compose's ``vllm  | ``) and its log level noted. A line
-   logged at INFO, DEBUG or WARNING never proves a failure: vLLM prints plenty of
-   benign lines that mention memory, KV cache and even OOM hints.
+   docker compose's ``vllm  | ``, syslog/journalctl and dmesg prefixes) and its log level
+   noted. A line logged at INFO, DEBUG or WARNING never proves a failure: vLLM prints
+   plenty of benign lines that mention memory, KV cache and even OOM hints.
 2. vLLM's own failure messages (templates in ``vllm/v1/core/kv_cache_utils.py``,
    ``vllm/v1/worker/utils.py``, ``gpu_worker.py``, ``gpu_model_runner.py``, and V0's
    ``worker/worker.py``) name their class directly: KV cache insufficient, free memory
@@ -32,23 +32,27 @@ How it decides, in order of strength:
    V0's ``CacheEngine``) against the serving loop (``run_busy_loop``, V0's
    ``run_engine_loop``/``_log_task_completion``, sleep-mode ``wake_up``, request
    handlers, throughput lines, SGLang's scheduler lines, a request or session id in the
-   failure's own line, a caller's generate loop). With both present the marker nearest the
-   error wins; with neither, a model forward, the sampler, the sleep-mode allocator or the
-   reporter's own script calling generate (all mostly serving work) tips it to runtime. The
+   failure's own line, a failure stated against a request or a generation, a caller's generate
+   loop). With both present the marker nearest the error wins; with neither, V1's
+   ``execute_model``, the sampler, the sleep-mode allocator or the reporter's own script
+   calling generate (all mostly serving work) tips it to runtime, and so does a model forward
+   in a paste from a stack other than vLLM (vLLM's start-up profile run runs it too). The
    allocator's figures are read from the whole message even when the paste hard-wrapped it.
    An OOM reported *through* NCCL ("Cuda failure 'out of memory'") is a device
    allocation failure, not a communication fault: restarting with the same memory
    settings would fail the same way, so it joins the OOM classes (subclass
    ``nccl_oom``) and gets the same remedies.
-4. Host memory exhaustion (kernel OOM killer, Ray's memory monitor, "Killed", a shell's
+4. Host memory exhaustion (kernel OOM killer, also by its task table alone, Ray's memory
+   monitor, "Killed", a shell's
    "line N: PID Killed", exit 137/-9, ``DefaultCPUAllocator`` / ``MemoryError`` /
    ``std::bad_alloc``) is ``host_oom``. A bare SIGKILL counts only when nothing else
    explains the death and nobody was stopping the engine on purpose.
 5. Other fatal errors (NCCL, illegal memory access, ECC/Xid, driver mismatch,
    address in use, model not found, unsupported architecture, no device, kernel
    resources, other CUDA errors, crashes, a dead engine core, any other final
-   exception) are ``other_fatal`` with a finer ``subclass``; a non-zero exit with no
-   evidence at all is ``other_fatal``/``exited``.
+   exception, a traceback in CPython's, IPython's, rich's or native form even when its
+   exception line was cut, a panic, a non-zero exit status) are ``other_fatal`` with a finer
+   ``subclass``; a non-zero exit with no evidence at all is ``other_fatal``/``exited``.
 
 Measured on real excerpts from public issue threads: tests/fixtures/classify/README.md.
 """
@@ -118,9 +122,11 @@ _LEVELS = {
     "E": "ERROR",
     "F": "ERROR",
 }
-# Leading decorations, stripped repeatedly. Group "lvl" records a log level. The last one is
-# the name column that log multiplexers put before every line: docker compose's service
-# ("vllm  | ", "intel-gpu-vllm  | "), FastChat's stream ("... | ERROR | stderr | ").
+# Leading decorations, stripped repeatedly. Group "lvl" records a log level. Then the name
+# column that log multiplexers put before every line: docker compose's service ("vllm  | ",
+# "intel-gpu-vllm  | "), FastChat's stream ("... | ERROR | stderr | "); syslog's and
+# journalctl's "Aug 17 18:42:18 host unit[pid]: "; dmesg's "[12345.678]" and "dmesg -T"'s
+# bracketed date in any language.
 _PREFIX = re.compile(
     r"""^(?:
         \s+
@@ -136,6 +142,10 @@ _PREFIX = re.compile(
         (?:\s+\d\d-\d\d\s+[\d:.]+)?(?:\s+\d+(?=\s))?(?:\s+\[?[\w./<>-]+\.py:\d+\])?
       | \[?[\w./<>-]+\.py:\d+\]
       | [A-Za-z][\w.-]*\s+\|(?=\s|$)
+      | [A-Z][a-z]{2}\s+\d{1,2}\s\d\d:\d\d:\d\d(?=\s)
+      | [\w.-]+\s[\w.@/-]+\[\d+\]:
+      | \[\s*\d+\.\d+\]
+      | \[[^\]\n]{0,24}\d\d:\d\d:\d\d[^\]\n]{0,12}\]
     )""",
     re.VERBOSE,
 )
@@ -294,6 +304,8 @@ _DEVICE_OOM = re.compile(
     # "cudaMalloc failed: out of memory".
     r"|\b(?:CUDA|HIP|cuda\w*|hip\w*)\b[^\n]{0,40}?\b(?:error|failed|failure)\b[^\n]{0,24}?"
     r"\bout of memory\b"
+    # The same with any word before the colon ("CUDA runtime erroe : out of memory").
+    r"|\b(?:CUDA|HIP)\b[\w ]{0,24}:\s*out of memory\b"
     r"|OutOfMemoryError"
     r"|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY"
     r"|hipErrorOutOfMemory"
@@ -331,9 +343,15 @@ _HOST_OOM = re.compile(
     r"|killed by (?:the )?(?:\S+ ){0,3}OOM[- ]?killer"
     # Kubernetes' "Reason: OOMKilled" and docker inspect's "OOMKilled": true, but not the
     # "OOMKilled": false that docker inspect prints for every container that was not killed.
-    r"|\bOOMKilled\b(?!\"?\s*[:=]\s*(?:false|0)\b)",
+    r"|\bOOMKilled\b(?!\"?\s*[:=]\s*(?:false|0)\b)"
+    # The header of the task table the kernel dumps when its OOM killer runs.
+    r"|Tasks state \(memory values in pages\)|\btotal_vm\s+rss\b.*\boom_score_adj\b",
     _I,
 )
+# A row of that table ("[  2665]  0  2665  55756  339  77824  68  0 crond": pid, uid, tgid,
+# page counts, oom_score_adj, name; 5 to 10 numbers by kernel version). Two rows or more
+# are the OOM killer's report even when its header and verdict lines were cut.
+_OOM_TASK_ROW = re.compile(r"^\[\s*\d+\]\s+\d+\s+\d+(?:\s+\d+){2,8}\s+-?\d+\s+\S+\s*$")
 _KILLED = re.compile(
     r"^Killed(?:\s+.*)?$|\bKilled$"
     # bash reporting a child it lost: "./entrypoint.sh: line 28:  7 Killed   cmd ..."
@@ -473,7 +491,9 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
     (
         re.compile(
             r"Fatal Python error|\bSIGABRT\b|\bSIGSEGV\b|Segmentation fault|core dumped"
-            r"|terminate called after throwing",
+            r"|terminate called after throwing"
+            # Rust's and Go's panics (launchers and routers in front of an engine).
+            r"|\bthread '[^']*' panicked at\b|^panic: \S|^goroutine \d+ \[",
             _I,
         ),
         "crash",
@@ -497,7 +517,9 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
     ),
     (
         re.compile(
-            r"(?:exited|died)\b[^\n]{0,30}?(?:exit )?(?:code|status)[=: ]+(?!0\b|-9\b|137\b)-?\d+",
+            r"(?:exited|died)\b[^\n]{0,30}?(?:exit )?(?:code|status)[=: ]+(?!0\b|-9\b|137\b)-?\d+"
+            # "returned non-zero exit status 1", "Process finished with exit code 1".
+            r"|non-zero exit status|\bexit code[=: ]+(?!0\b|-9\b|137\b)-?\d+",
             _I,
         ),
         "exited",
@@ -514,6 +536,12 @@ _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit)
 # "Exception ignored in: <function __del__>", which interpreters print at a clean exit.
 _FAILURE_STATEMENT = re.compile(
     r"^(?:Exception|Error)\s*:\s*\S"
+    # "Scheduler hit an exception: …", "Method Warmup encountered an error.": whatever the level.
+    r"|\b(?:hit|encountered|raised) an? (?:unexpected |unhandled |fatal )?(?:error|exception)\b"
+    # An exception class named by its module rather than its suffix ("zmq.error.Again: …",
+    # "httpx.ReadTimeout: …", "subprocess.TimeoutExpired: …").
+    r"|^(?:[A-Za-z_]\w*\.)*(?:exceptions?|errors?|exc)\.[A-Z]\w*:\s*\S"
+    r"|^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Timeout|Expired)\b:\s*\S"
     r"|^Exception (?:in|while|during|occurred|raised)\b(?! ignored)"
     r"|^Error (?:executing|while|during|in|occurred|when)\b"
     r"|^(?:[a-z_]\w*\.)+(?:[A-Z]\w*)?(?:Failed|Unsupported|BrokenProcessPool)\b:?",
@@ -532,15 +560,25 @@ _HEDGE = re.compile(
     r"|probably|perhaps|e\.g\.|such as|if|whether)\b",
     _I,
 )
-# A traceback's header, a frame (CPython's and faulthandler's forms), multiprocessing's
-# "Process EngineCore_0:" line before a child's traceback.
+# A traceback's header (also inside a line: "Scheduler hit an exception: Traceback …", rich's
+# boxed header), a frame in CPython's and faulthandler's form, multiprocessing's
+# "Process EngineCore_0:" line before a child's traceback; IPython's and Colab's frames
+# ("/x.py in f(…)", "[/x.py](url) in f(…)", "File ~/x.py:12, in f(…)", "Cell In[3], line 5",
+# "----> 12 llm = LLM(…)") and rich's ("│ /x.py:12 in f"); a native backtrace (glibc's
+# "bin(sym+0x1f) [0x55…]", gdb's "#3 0x7f… in f", c10's "frame #3: …", "Exception raised from").
 _TRACEBACK = re.compile(
-    r'^Traceback \(most recent call last\)|^File "[^"]+", line \d+'
-    r"|^Process [A-Za-z_][\w-]*:$",
+    r'Traceback \(most recent call last\)|^File "[^"]+", line \d+'
+    r"|^Process [A-Za-z_][\w-]*:$"
+    r"|^(?:File )?\[?[^\s\[\]]+\.py(?:\]\([^)\s]*\))?(?::\d+)?,? in [\w<>.]+(?:\(|\s*│?\s*$)"
+    r"|^Cell In ?\[\d*\], line \d+|^<ipython-input-[\w-]+> in |^-{2,}> ?\d+ \S|^-*> ?\d+\s{2,}\S"
+    r"|\(\S*\+0x[0-9a-fA-F]+\)\s*\[0x[0-9a-fA-F]+\]|^#\d+\s+0x[0-9a-fA-F]+ in \S"
+    r"|^frame #\d+: |^Exception raised from \w+ at ",
 )
 
 _SHUTDOWN_SIGNAL = re.compile(
     r"received signal=?\s*SIG(?:TERM|INT)|(?:SIGTERM|SIGINT) received|Received (?:SIGTERM|SIGINT)"
+    # systemd: the service's main process ended by the SIGTERM/SIGINT of a stop.
+    r"|code=killed, status=(?:15/TERM|2/INT)\b"
     r"|signal (?:SIGTERM|SIGINT|15|2) received",
     _I,
 )
@@ -615,7 +653,13 @@ _SERVING_FRAMES = re.compile(
     r"|serving_\w+\.py|starlette/|fastapi/|async_llm_engine\.py:\d+\]"
     r"|Engine loop is not running|Engine loop has died|Engine background task failed"
     r"|Background loop has errored|Error in model execution|Dumping scheduler output"
-    r"|Internal Server Error|inference error",
+    r"|Internal Server Error|inference error"
+    # The failure stated against a request or a generation, in any stack's words ("Request
+    # failed during generation"), or the text saying requests were being handled.
+    r"|\brequest(?:s| \S+)? failed\b"
+    r"|\b(?:during|while) (?:generation|generating|decoding|inference|serving)\b"
+    r"|\b(?:handl|process|serv)(?:e|es|ed|ing) (?:(?:a|the|some|a few|many|several|\d+) )?"
+    r"requests?\b|\bafter (?:a few|some|several|many|\d+) (?:\w+ )?requests?\b",
     _I,
 )
 # Weak, used only when nothing above is in the text: the model forward runs in the profile
@@ -634,6 +678,12 @@ _WEAK_SERVING = re.compile(
     r"|\.generate\(|\bfor \w+ in [\w.]*(?:batch|loader|prompt|request|sample|input)\w*",
     _I,
 )
+# Weaker still: a model's forward or a forward kernel ("in forward", "in _call_impl", "in
+# attn_fwd") in a paste from a stack other than vLLM, where a forward with no loading frame
+# is inference (or training) work. Not in a vLLM paste: vLLM's start-up profile run executes
+# the same forward, and vLLM's serving loop has markers of its own.
+_MODEL_FORWARD = re.compile(r", in (?:\w*forward\w*|\w*_fwd|fwd_\w*|_(?:wrapped_)?call_impl)$")
+_VLLM_TEXT = re.compile(r"vllm", _I)
 
 _ACTIONS: dict[FailureClass, str] = {
     FailureClass.CUDA_OOM_LOAD: (
@@ -810,7 +860,11 @@ def _phase_is_runtime(lines: Sequence[_Line], oom_index: int, was_ready: bool) -
         return min(abs(k - oom_index) for k in serving) < min(abs(k - oom_index) for k in load)
     if load or serving:
         return bool(serving)
-    return any(_WEAK_SERVING.search(ln.raw) for ln in lines)
+    if any(_WEAK_SERVING.search(ln.raw) for ln in lines):
+        return True
+    return not any(_VLLM_TEXT.search(ln.raw) for ln in lines) and any(
+        _MODEL_FORWARD.search(ln.text) for ln in lines
+    )
 
 
 def _kv_numbers(text: str) -> dict[str, float]:
@@ -897,6 +951,9 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         i = _find(lines, pattern, any_level=True, unless_before=_HEDGE)
         if i >= 0:
             return _make(FailureClass.HOST_OOM, lines[i], {})
+    rows = [ln for ln in lines if _OOM_TASK_ROW.match(ln.text)]
+    if len(rows) >= 2:
+        return _make(FailureClass.HOST_OOM, rows[0], {}, subclass="oom_killer_tasks")
 
     # 4. Other fatal errors with a known cause. An engine dying or exiting after a
     #    requested shutdown (SIGTERM/SIGINT) is the shutdown's consequence, not a failure.
@@ -937,7 +994,7 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     # A failure stated without an exception class or a traceback: "Exception in thread …",
     # a bare "Error: …", V0's "Error executing method …", an exception class that does not
     # end in Error, or a line logged at ERROR that says something failed.
-    failed = _find(lines[: stop if stop >= 0 else None], _FAILURE_STATEMENT)
+    failed = _find(lines[: stop if stop >= 0 else None], _FAILURE_STATEMENT, unless_before=_HEDGE)
     if failed < 0:
         failed = next(
             (
