@@ -93,6 +93,23 @@ class ConfigError(ChandradError):
         )
 
 
+class MetricsListenFailed(ConfigError):
+    """``metrics.listen`` names an address this host can never listen on: a name that does
+    not resolve, an address that is not this host's, a port the daemon may not bind.
+
+    A config error (exit 78, one line naming the key and the address). A port that another
+    process holds is not one: the daemon serves without ``/metrics`` and binds once the
+    port is free (``daemon/wiring.MetricsListener``).
+    """
+
+    code = "metrics_listen_failed"
+
+    def __init__(self, listen: str, reason: str, file: str = "",
+                 line: int | None = None) -> None:
+        super().__init__([ConfigProblem("metrics.listen", f"cannot listen on {listen}: "
+                                        f"{reason}", file=file, line=line, code=self.code)])
+
+
 class StateDirInUse(ChandradError):
     """Another live chandrad holds the state directory's lock.
 

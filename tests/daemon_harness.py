@@ -196,6 +196,8 @@ class Daemon:
     poll_interval: float | None = 0.5
     ocr: Mapping[str, TomlValue] = field(default_factory=lambda: dict(OCR))
     tables: str = ""
+    #: Further environment of ``chandrad run`` (a test's ``NOTIFY_SOCKET``).
+    env: Mapping[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     #: The ``MARK_ENV`` value of every daemon started here: what cleanup hunts.
     marker: str = field(default_factory=lambda: secrets.token_hex(8))
@@ -257,7 +259,7 @@ class Daemon:
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """``chandrad run`` in its own session, output appended to ``daemon.log``."""
-        env = {k: v for k, v in os.environ.items() if k not in _SYSTEMD_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in _SYSTEMD_ENV} | dict(self.env)
         env[MARK_ENV] = self.marker
         env["CACHE_DIRECTORY"] = SHARED_CACHE
         with self.log_path.open("ab") as log:

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import re
 import shutil
+import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from daemon_harness import Daemon, table
 
 from chandrad import config
 from chandrad.daemon import NvmlProbe
 from chandrad.engine.supervisor import EngineSupervisor
-from chandrad.errors import ConfigError
+from chandrad.errors import ConfigError, ExitCode
 from chandrad.metrics import Metrics, MetricsServer, parse_listen
 from chandrad.states import DaemonState
 from chandrad.store import Store
@@ -204,3 +206,81 @@ def test_metrics_listen_config(tmp_path: Path) -> None:
         _config(tmp_path, '[metrics]\nlisten = "9478"\n')
     assert err.value.problems[0].key == "metrics.listen"
     assert err.value.problems[0].line == 6
+
+
+# ------------------------------------------------------------------ metrics.listen, real daemon
+
+def _listen_daemon(root: Path, listen: str, free_port: Callable[[], int],
+                   env: dict[str, str] | None = None) -> Daemon:
+    """``chandrad run`` with ``metrics.listen`` and a remote engine nobody serves (no engine
+    has to load for the listener to be the point)."""
+    return Daemon(root, f'[engine]\nurl = "http://127.0.0.1:{free_port()}"\n',
+                  tables=table("metrics", {"listen": listen}), env=env or {})
+
+
+def test_metrics_address_not_of_this_host_exits_78_naming_the_key(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """An address no process on this host can ever listen on (192.0.2.1 is TEST-NET-1, not
+    an address of this host): a config error, one line naming ``metrics.listen`` and the
+    address, exit 78 before READY, no traceback."""
+    d = _listen_daemon(tmp_path, "192.0.2.1:9478", free_port)
+    d.start()
+    try:
+        assert d.proc is not None
+        code = d.proc.wait(60)
+    finally:
+        d.cleanup()
+    out = d.log_path.read_text("utf-8")
+    print(f"\nexit {code}: {out.strip()}")
+    assert code == ExitCode.CONFIG, out
+    assert "Traceback" not in out, out
+    lines = [line for line in out.splitlines() if "metrics.listen" in line]
+    assert len(lines) == 1 and "192.0.2.1:9478" in lines[0], out
+
+
+def test_metrics_port_taken_keeps_the_daemon_serving_and_binds_once_free(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """A port another process listens on at start (a real socket bound first): an
+    environment condition, not a config error. The daemon serves without ``/metrics``, says
+    why in one error line naming ``metrics.listen`` and the address (no traceback) and in
+    ``status``; once the port is free it listens there by itself."""
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    address = f"127.0.0.1:{blocker.getsockname()[1]}"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(30)
+    d = _listen_daemon(tmp_path, address, free_port,
+                       env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+    d.start()
+    try:
+        ready = notify.recv(1 << 16).decode()
+        while "READY=1" not in ready:
+            ready = notify.recv(1 << 16).decode()
+        assert f"METRICS OFF: metrics.listen {address}" in ready, ready
+        d.wait_answering(60)
+        status = d.ctl_json("status")["daemon"]
+        assert status["metrics"]["listen"] is None, status
+        error = status["metrics"]["error"]
+        assert "metrics.listen" in error and address in error and "in use" in error, error
+        log = d.log_path.read_text("utf-8")
+        failed = [json.loads(line) for line in log.splitlines()
+                  if '"metrics_listen_failed"' in line]
+        assert len(failed) == 1 and failed[0]["level"] == "error", failed
+        assert failed[0]["key"] == "metrics.listen" and failed[0]["listen"] == address
+        assert "Traceback" not in log
+        blocker.close()
+        waited = d.wait_for("metrics listening once the port is free", lambda: (
+            d.ctl_json("status")["daemon"]["metrics"]["listen"] == address), 30)
+        print(f"\nlistening {waited:.1f}s after the port was freed")
+        reply = httpx.get(f"http://{address}/metrics", timeout=10)
+        assert reply.status_code == 200 and "chandrad_daemon_state" in reply.text
+        assert d.ctl_json("status")["daemon"]["metrics"]["error"] is None
+        assert d.stop() == 0
+    finally:
+        blocker.close()
+        notify.close()
+        d.cleanup()

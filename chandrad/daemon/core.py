@@ -183,6 +183,8 @@ class Daemon:
             loop.add_signal_handler(sig, self.queue.put, name)
         self.store = open_store(cfg)
         make_watch_folders(cfg)
+        if self.batch is None:  # before any process is spawned: an address it never gets is 78
+            await self.metrics_listener.start(cfg)
         self.engines = [self._supervisor(cfg, spec) for spec in plan_engines(cfg)]
         self.dispatcher = Dispatcher(self.engines)
         self.render = RenderPool(cfg.ocr.render_workers)
@@ -191,7 +193,6 @@ class Daemon:
         for engine in self.engines:
             engine.observer = self.metrics
         if self.batch is None:
-            await self.metrics_listener.start(cfg.metrics.listen)
             self.control = ControlServer(cfg.control_socket(), Handlers(self.controls),
                                          mode=cfg.control.mode, group=cfg.control.group)
             await self.control.start()
@@ -210,6 +211,8 @@ class Daemon:
             self._start_watcher_task()
         if self.pinger.interval is not None:
             self.tasks.start("watchdog", self.pinger.run)
+        if self.metrics_listener.waiting:
+            self.tasks.start("metrics", self._wait_for_metrics_port)
         self.set_state(DaemonState.RUNNING, "started")
         self.notifier.ready(self.status_line())
         log.info(Event.DAEMON_STARTED, version=__version__, pid=os.getpid(),
@@ -252,6 +255,13 @@ class Daemon:
         await self.batch.run(self.pipeline, self.store, self.engine.snapshot,
                              lambda: self.queue.put(DaemonCommand.SHUTDOWN_NOW))
         self.tasks.let_finish("batch")
+
+    async def _wait_for_metrics_port(self) -> None:
+        """The task while another process holds ``metrics.listen``'s port: it ends once
+        the listener is bound."""
+        await self.metrics_listener.wait_for_port()
+        self.tasks.let_finish("metrics")
+        self.notify_status()
 
     # ------------------------------------------------------------ the watcher
     def _start_watcher_task(self) -> None:

@@ -59,6 +59,8 @@ def status_line(daemon: Daemon) -> str:
         got = first.fetch_child.progress
         line += (f" (fetching {first.fetch_child.model}: "
                  f"{got.done / 1e6:.0f}/{got.total / 1e6:.0f} MB)")
+    if daemon.metrics_listener.error:
+        line += f"; METRICS OFF: {daemon.metrics_listener.error}"
     if daemon.state is DaemonState.RELOADING and daemon.reloader.phase:
         line += f"; reload: {daemon.reloader.phase}"
     return line

@@ -3,12 +3,17 @@
 What ``Daemon`` start-up builds that can fail on the config (the store, the watched folders,
 the engine plan) raises ``ConfigError`` with the key, file and line here; the GPU probe the
 supervisors share; the names of each engine's task and session file; the ``/metrics``
-listener, whose failure is shown in ``status`` but does not stop the daemon.
+listener (an address this host can never listen on is a config error; a port another
+process holds is waited for, shown in ``status``, and does not stop the daemon).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import errno
+import os
+import socket
 from typing import Any
 
 import structlog
@@ -18,7 +23,7 @@ from chandrad import names
 from chandrad.config import Config, key_line
 from chandrad.engine.profile import GpuFacts
 from chandrad.engine.replicas import GpuSlot, ReplicaSpec, plan_replicas
-from chandrad.errors import ConfigError, ConfigProblem, StateDirInUse
+from chandrad.errors import ConfigError, ConfigProblem, MetricsListenFailed, StateDirInUse
 from chandrad.metrics import Metrics, MetricsServer, parse_listen
 from chandrad.store import Store
 
@@ -111,37 +116,89 @@ def describe_item(item: Any) -> str:
     return names.text(repr(item))
 
 
+#: Seconds between two tries to bind a ``metrics.listen`` port another process holds.
+METRICS_RETRY_S = 5.0
+
+
+def _bind_reason(exc: OSError) -> str:
+    """Why a bind failed, without asyncio's restatement of the address."""
+    if exc.errno == errno.EADDRINUSE:
+        return "the port is in use by another process"
+    if isinstance(exc, socket.gaierror) or not exc.errno:
+        return exc.strerror or str(exc)
+    return os.strerror(exc.errno)
+
+
+def _may_pass(exc: OSError) -> bool:
+    """A bind failure that can go away by itself: the port is held by another process, or
+    the name could not be resolved for now (DNS not answering)."""
+    return exc.errno == errno.EADDRINUSE or (isinstance(exc, socket.gaierror)
+                                             and exc.errno == socket.EAI_AGAIN)
+
+
 class MetricsListener:
     """The ``/metrics`` listener, if ``metrics.listen`` asks for one.
 
-    An address that cannot be bound is logged and shown in ``status`` but does not stop the
-    daemon: OCR matters more than its dashboard, and Prometheus' own ``up`` alert reports
-    the missing target.
+    At start, an address this host can never listen on (a name that does not resolve, an
+    address not of this host, a port the daemon may not bind) raises
+    :class:`MetricsListenFailed`: exit 78, the key and address named. A port that another
+    process holds is an environment condition, not a config error: OCR matters more than
+    its dashboard, so the daemon serves without ``/metrics``, says so (one error line,
+    ``status``, ``STATUS=``) and :meth:`wait_for_port` binds once the port is free.
     """
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.server: MetricsServer | None = None
-        #: Why the listener is missing, for ``status`` ("" when none was refused).
+        self.listen = ""
+        #: Why the listener is missing, for ``status`` ("" when it listens or is off).
         self.error = ""
+        self._closed = False
 
     @property
     def address(self) -> str | None:
         return f"{self.server.host}:{self.server.port}" if self.server else None
 
-    async def start(self, listen: str) -> None:
+    @property
+    def waiting(self) -> bool:
+        """``metrics.listen`` asks for a listener that could not be bound yet."""
+        return bool(self.listen) and self.server is None and not self._closed
+
+    async def start(self, cfg: Config) -> None:
+        """Bind ``metrics.listen``; raises MetricsListenFailed on an address that cannot be."""
+        listen = self.listen = cfg.metrics.listen
         if not listen:
             return
-        host, port = parse_listen(listen)
-        server = MetricsServer(self.metrics, host, port)
         try:
-            await server.start()
+            await self._bind()
         except OSError as exc:
-            self.error = f"cannot listen on {listen}: {exc.strerror or exc}"
-            log.error("metrics_listen_failed", listen=listen, error=exc.strerror or str(exc))
-            return
+            if not _may_pass(exc):
+                raise MetricsListenFailed(listen, _bind_reason(exc), str(cfg.path),
+                                          key_line_of(cfg, "metrics.listen")) from None
+            self.error = (f"metrics.listen {listen}: {_bind_reason(exc)}; /metrics is off, "
+                          f"tried again every {METRICS_RETRY_S:g} s")
+            log.error("metrics_listen_failed", key="metrics.listen", listen=listen,
+                      error=_bind_reason(exc), retry_every_s=METRICS_RETRY_S)
+
+    async def wait_for_port(self) -> None:
+        """The supervised task while :attr:`waiting`: bind as soon as the port is free."""
+        while self.waiting:
+            await asyncio.sleep(METRICS_RETRY_S)
+            if self._closed:
+                return
+            try:
+                await self._bind()
+            except OSError:
+                continue
+            self.error = ""
+
+    async def _bind(self) -> None:
+        host, port = parse_listen(self.listen)
+        server = MetricsServer(self.metrics, host, port)
+        await server.start()
         self.server = server
 
     async def close(self) -> None:
+        self._closed = True
         if self.server is not None:
             await self.server.close()
