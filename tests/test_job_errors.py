@@ -1,0 +1,126 @@
+"""What a job's error says after the job recovers, and what systemd's ``STATUS=`` says about
+held jobs, on the real daemon (``chandrad run``) with the stand-in engine process reached
+through ``engine.url``, a real read-only bind mount, the real notify socket and the real
+``chandractl``.
+
+A held job (``output_unwritable``) shows in ``STATUS=`` while it waits; once its outputs
+can be written it ends ``done`` with no error left in the store, ``queue`` or ``status``;
+a job retried by the operator after it failed ends the same way. The failed attempt stays
+in the log. Needs root for the bind mount.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_harness import Daemon, drop
+from standin_engine import StandinServer
+
+pytestmark = pytest.mark.engine
+
+
+class Notify:
+    """A datagram socket bound where systemd's would be: every ``STATUS=`` the daemon sent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        self.received: list[str] = []
+
+    def statuses(self) -> list[str]:
+        while True:
+            try:
+                msg = self.sock.recv(1 << 20).decode()
+            except BlockingIOError:
+                break
+            self.received += [line[len("STATUS="):] for line in msg.splitlines()
+                              if line.startswith("STATUS=")]
+        return self.received
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, StandinServer,
+                                                                        Notify]]:
+    root = tmp_path_factory.mktemp("joberr")
+    engine = StandinServer(root / "engine").start()
+    notify = Notify(root / "notify.sock")
+    d = Daemon(root / "d", f'[engine]\nurl = "{engine.url}"\n', settle=0.5,
+               tables='[metrics]\nlisten = ""\n', env={"NOTIFY_SOCKET": str(notify.path)})
+    d.start()
+    try:
+        d.wait_answering(60)
+        yield d, engine, notify
+    finally:
+        d.cleanup()
+        engine.stop()
+        notify.close()
+
+
+def _stored(d: Daemon, name: str) -> dict[str, object]:
+    return next(j for j in d.stored_jobs() if Path(str(j["path"])).name == name)
+
+
+def test_held_job_shows_in_status_line_and_ends_done_without_its_error(
+    served: tuple[Daemon, StandinServer, Notify], corpus_dir: Path
+) -> None:
+    d, _, notify = served
+    if subprocess.run(["mount", "--bind", str(d.done), str(d.done)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs mount --bind (root with CAP_SYS_ADMIN) for a read-only done/")
+    name = "held.png"
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(d.done)], check=True)
+        drop(corpus_dir / "good/image_hi-devanagari.png", d.inbox, name)
+        held = d.wait_job(name, "held", 60, lambda j: j["state"] == "held")
+        assert held["error_code"] == "output_unwritable", held
+        d.wait_for("STATUS= naming the held job",
+                   lambda: any("held=1" in s for s in notify.statuses()), 10)
+    finally:
+        subprocess.run(["umount", str(d.done)], check=True)
+    print(f"\nSTATUS= while held: {[s for s in notify.statuses() if 'held' in s][-1]}")
+    d.wait_jobs_final([name], 120)
+    listed = d.job(name)
+    stored = _stored(d, name)
+    assert listed is not None and listed["state"] == "done", listed
+    assert (listed["error_code"], listed["error_message"]) == (None, None), listed
+    assert (stored["error_code"], stored["error_message"]) == (None, None), stored
+    status = d.ctl_json("status")
+    assert status["held"]["count"] == 0 and status["queue"]["held"] == 0, status
+    d.wait_for("STATUS= without held jobs", lambda: "held" not in notify.statuses()[-1], 10)
+    # The failed attempt is kept where an operator looks for history: the log.
+    log = [json.loads(line) for line in d.log_path.read_text().splitlines()
+           if '"job_held"' in line]
+    assert log and log[0]["code"] == "output_unwritable", log
+
+
+def test_retried_job_that_succeeds_keeps_no_error(
+    served: tuple[Daemon, StandinServer, Notify], corpus_dir: Path
+) -> None:
+    d, _, _ = served
+    name = "retried.png"
+    assert d.ctl_json("pause")["state"] == "paused"
+    drop(corpus_dir / "good/image_hi-devanagari.png", d.inbox, name)
+    job = d.wait_job(name, "accepted", 60)
+    assert d.ctl_json("cancel", str(job["id"]))["cancelled"] == job["id"]
+    assert _stored(d, name)["state"] == "cancelled"
+    assert json.loads((d.failed / f"{name}.error.json").read_text())["code"] == "cancelled"
+    assert d.ctl_json("retry", str(job["id"]))["retried"] == [job["id"]]
+    assert not (d.failed / f"{name}.error.json").exists()
+    d.ctl_json("resume")
+    d.wait_jobs_final([name], 120)
+    listed = d.job(name)
+    stored = _stored(d, name)
+    assert listed is not None and listed["state"] == "done", listed
+    assert (listed["error_code"], listed["error_message"]) == (None, None), listed
+    assert (stored["error_code"], stored["error_message"]) == (None, None), stored
+    assert "cancelled" not in d.ctl("queue").stdout
