@@ -616,49 +616,49 @@ def test_dev5_excerpt(case: dict[str, Any]) -> None:
 
 
 
-# --------------------------------------------------------------------------- round 6
-# The round-6 hold-out (real_excerpts_round6.jsonl) is scored once by the coordinator after the
-# round-6 classifier is frozen; these tests use a file of their own, never that one.
+# --------------------------------------------------------------------------- round 7
+# The round-7 hold-out (real_excerpts_round7.jsonl) is scored once by the coordinator after the
+# round-7 classifier is frozen; these tests use a file of their own, never that one.
 
 
-def _write_round6(folder: Path) -> None:
+def _write_round7(folder: Path) -> None:
     rows = [
-        {"id": "a-1", "label": "other_fatal", "split": "holdout6",
+        {"id": "a-1", "label": "other_fatal", "split": "holdout7",
          "source": "https://github.com/example/a/issues/1",
          "text": "Traceback (most recent call last):\nValueError: bad"},
-        {"id": "b-2", "label": "none", "split": "holdout6",
+        {"id": "b-2", "label": "none", "split": "holdout7",
          "source": "https://github.com/example/b/issues/2",
          "text": "INFO 01-01 00:00:00 [api_server.py:1] Started server process"},
-        {"id": "c-3", "label": "cuda_oom_runtime", "split": "holdout6",
+        {"id": "c-3", "label": "cuda_oom_runtime", "split": "holdout7",
          "source": "https://github.com/example/c/issues/3",
          "text": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."},
     ]
-    (folder / "real_excerpts_round6.jsonl").write_text(
+    (folder / "real_excerpts_round7.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows)
     )
 
 
-def test_holdout6_split_reads_round6_file(tmp_path: Path) -> None:
-    """``--split holdout6`` reads real_excerpts_round6.jsonl from the fixtures folder and
+def test_holdout7_split_reads_round7_file(tmp_path: Path) -> None:
+    """``--split holdout7`` reads real_excerpts_round7.jsonl from the fixtures folder and
     scores it like the other hold-outs."""
-    _write_round6(tmp_path)
-    assert [r["id"] for r in BENCH.load("holdout6", root=tmp_path)] == ["a-1", "b-2", "c-3"]
-    report = BENCH.evaluate("holdout6", root=tmp_path)
+    _write_round7(tmp_path)
+    assert [r["id"] for r in BENCH.load("holdout7", root=tmp_path)] == ["a-1", "b-2", "c-3"]
+    report = BENCH.evaluate("holdout7", root=tmp_path)
     assert (report.total, report.correct, report.false_memory_calls) == (3, 2, 0)
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout6",
+        [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout7",
          "--fixtures", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "split=holdout6 n=3 correct=2" in proc.stdout
+    assert "split=holdout7 n=3 correct=2" in proc.stdout
 
 
-def test_holdout6_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
-    """``--misses`` refuses holdout6 (it is never tuned on) before reading anything; without
+def test_holdout7_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
+    """``--misses`` refuses holdout7 (it is never tuned on) before reading anything; without
     the file the script says so and exits 2 instead of a traceback."""
-    _write_round6(tmp_path)
-    script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout6"]
+    _write_round7(tmp_path)
+    script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout7"]
     refused = subprocess.run(
         [*script, "--fixtures", str(tmp_path), "--misses"],
         capture_output=True, text=True, timeout=120, check=False,
@@ -672,5 +672,5 @@ def test_holdout6_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) 
         check=False,
     )
     assert missing.returncode == 2
-    assert "real_excerpts_round6.jsonl" in missing.stderr and "Traceback" not in missing.stderr
-    assert "dev5" in BENCH.DEV_SPLITS and "holdout6" not in BENCH.DEV_SPLITS
+    assert "real_excerpts_round7.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+    assert {"dev5", "dev6"} <= BENCH.DEV_SPLITS and "holdout7" not in BENCH.DEV_SPLITS
