@@ -42,11 +42,16 @@ How it decides, in order of strength:
    allocation failure, not a communication fault: restarting with the same memory
    settings would fail the same way, so it joins the OOM classes (subclass
    ``nccl_oom``) and gets the same remedies.
-4. Host memory exhaustion (kernel OOM killer, also by its task table alone, Ray's memory
-   monitor, "Killed", a shell's
+4. Host memory exhaustion (kernel OOM killer, also by its task table alone or by its kill
+   line, systemd-oomd, Ray's memory monitor in each shape it reports a kill in: the task's
+   error, the worker's NODE_OUT_OF_MEMORY exit type, the kill summary, the top-memory-users
+   table, the suggestions that end its report; "Killed", a shell's
    "line N: PID Killed", exit 137/-9, ``DefaultCPUAllocator`` / ``MemoryError`` /
    ``std::bad_alloc``) is ``host_oom``. A bare SIGKILL counts only when nothing else
-   explains the death and nobody was stopping the engine on purpose.
+   explains the death and nobody was stopping the engine on purpose. A memory cause that a
+   message only offers as a possibility (after a hedge word such as "potential root causes",
+   "likely", "if", or as one item of an enumeration "(1) … (2) …") is never a memory verdict,
+   for host and device memory alike.
 5. Other fatal errors (NCCL, illegal memory access, ECC/Xid, driver mismatch,
    address in use, model not found, unsupported architecture, no device, kernel
    resources, other CUDA errors, crashes, a dead engine core, any other final
@@ -327,14 +332,31 @@ _DEVICE_OOM_CUT = re.compile(
 )
 _NCCL_CONTEXT = re.compile(r"NCCL|Cuda failure", _I)
 # Ray's OutOfMemoryError is about the *host* running out of RAM.
+# Its memory monitor reports a kill in several shapes, each printed only once it has killed:
+# the task's error ("Task was killed due to the node running low on memory"), the worker's
+# exit type (NODE_OUT_OF_MEMORY), the periodic summary ("N Workers (tasks / actors) killed due
+# to memory pressure (OOM)", not with N = 0), the top-memory-users table that follows a kill
+# and the suggestions that end it ("Refer to the documentation on how to address the out of
+# memory issue: …ray-oom-prevention…").
 _RAY_HOST_OOM = re.compile(
-    r"ray\.exceptions\.OutOfMe|node (?:is )?running low on memory"
+    r"ray\.exceptions\.OutOfMe|\bRayOutOfMemoryError\b|node (?:is )?running low on memory"
     r"|Memory on the node .* was .* (?:when|exceeds the memory usage threshold)"
-    r"|Ray killed this worker|killed due to memory pressure",
+    r"|Ray killed this worker|(?<!\b0 Workers \(tasks / actors\) )"
+    r"(?<!\b0 Workers )killed due to memory pressure"
+    r"|exit type:? NODE_OUT_OF_MEMORY\b"
+    r"|how to address the out of memory issue|ray-oom-prevention"
+    r"|\bTop \d+ memory users\b|^PID\s+MEM\(GB\)\s+COMMAND\b",
     _I,
 )
+# A row of that table ("8800  1.18  ray::ReferenceModelRayActor"): pid, GB, a Ray worker's
+# command. Two rows or more are the memory monitor's report even when the rest was cut.
+_RAY_TOP_ROW = re.compile(r"^\d+\s+\d+(?:\.\d+)?\s+ray::\S")
 _HOST_OOM = re.compile(
-    r"Out of memory: Kill(?:ed)? process"
+    r"Out of memory: Kill(?:ed)? process|Out of memory and no killable processes"
+    # The kernel's second line of a kill, when the first was cut.
+    r"|\bKilled process \d+ \([^)]*\) total-vm:"
+    # systemd-oomd: "Killed /user.slice/x.scope due to memory pressure for …" / "memory used".
+    r"|\bKilled /\S+ due to memory (?:pressure|used)\b"
     r"|oom[-_]kill|oom_reaper|Memory cgroup out of memory"
     r"|DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
     r"|\bstd::bad_alloc\b"
@@ -544,7 +566,10 @@ _FAILURE_STATEMENT = re.compile(
     r"|^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Timeout|Expired)\b:\s*\S"
     r"|^Exception (?:in|while|during|occurred|raised)\b(?! ignored)"
     r"|^Error (?:executing|while|during|in|occurred|when)\b"
-    r"|^(?:[a-z_]\w*\.)+(?:[A-Z]\w*)?(?:Failed|Unsupported|BrokenProcessPool)\b:?",
+    r"|^(?:[a-z_]\w*\.)+(?:[A-Z]\w*)?(?:Failed|Unsupported|BrokenProcessPool)\b:?"
+    # vLLM's dump_engine_exception: logged only when a step of the engine raised.
+    r"|^Dumping (?:input data|scheduler output for model execution|model input for execution)\b"
+    r"|^Errored Batch request #\d",
 )
 # At ERROR level, a line that says something failed.
 _FAILURE_WORD = re.compile(
@@ -554,12 +579,28 @@ _FAILURE_WORD = re.compile(
 )
 _BENIGN_EXCEPTIONS = re.compile(r"^(?:asyncio\.)?CancelledError|^KeyboardInterrupt|^SystemExit")
 
-# Words that make what follows on the line a possibility, not a report.
+# Words that make what follows on the line a possibility, not a report: a hint, a list of
+# candidate causes ("There are some potential root causes."), a guess ("most likely").
 _HEDGE = re.compile(
     r"\b(?:causes? (?:include|may be|could be)|could|might|may (?:be|have)|possibl[ey]"
-    r"|probably|perhaps|e\.g\.|such as|if|whether)\b",
+    r"|probably|perhaps|e\.g\.|such as|if|whether|potential(?:ly)?|likely|suspect(?:ed)?"
+    r"|maybe|causes|reasons|root cause)\b",
     _I,
 )
+# An item marker of an enumeration in running text: "(1) …", "2) …".
+_ENUM_ITEM = re.compile(r"(?:\(|(?<![\w.(])) ?\d{1,2} ?\)(?=\s)")
+
+
+def _hedged(text: str, start: int) -> bool:
+    """Is what starts at ``text[start]`` a possibility rather than a report?
+
+    Hedged when a hedge word precedes it on its line, or when it is one item of an
+    enumeration of alternatives on that line (an item marker before it and at least two
+    in all): a message listing what *might* have happened asserts none of them.
+    """
+    if _HEDGE.search(text[:start]):
+        return True
+    return bool(_ENUM_ITEM.search(text[:start])) and len(_ENUM_ITEM.findall(text)) >= 2
 # A traceback's header (also inside a line: "Scheduler hit an exception: Traceback …", rich's
 # boxed header), a frame in CPython's and faulthandler's form, multiprocessing's
 # "Process EngineCore_0:" line before a child's traceback; IPython's and Colab's frames
@@ -759,17 +800,17 @@ def _find(
     pattern: re.Pattern[str],
     *,
     any_level: bool = False,
-    unless_before: re.Pattern[str] | None = None,
+    unless_hedged: bool = False,
 ) -> int:
     """Index of the best line matching ``pattern`` (an exception line first), or -1.
 
-    With ``unless_before``, a match preceded on its line by that pattern does not count
+    With ``unless_hedged``, a match that its line only states as a possibility does not count
     ("Some common causes include: (1) the process was killed by the OOM killer").
     """
     best, best_rank = -1, 3
     for i, ln in enumerate(lines):
         m = pattern.search(ln.text) if (any_level or not ln.benign_level) else None
-        if m and unless_before is not None and unless_before.search(ln.text[: m.start()]):
+        if m and unless_hedged and _hedged(ln.text, m.start()):
             m = None
         if m:
             r = _rank(ln)
@@ -820,7 +861,10 @@ def _device_oom_hits(lines: Sequence[_Line]) -> list[int]:
     for i, ln in enumerate(lines):
         if ln.benign_level or _RAY_HOST_OOM.search(ln.text):
             continue
-        if _DEVICE_OOM.search(ln.text) or _wrapped_match(lines, i, _DEVICE_OOM):
+        m = _DEVICE_OOM.search(ln.text)
+        if m is not None and _hedged(ln.text, m.start()):
+            continue
+        if m is not None or _wrapped_match(lines, i, _DEVICE_OOM):
             out.append(i)
     if not out:
         last = next((k for k in range(len(lines) - 1, -1, -1) if lines[k].text), -1)
@@ -948,12 +992,15 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
 
     # 3. Host memory (asserted, not listed among possible causes).
     for pattern in (_RAY_HOST_OOM, _HOST_OOM):
-        i = _find(lines, pattern, any_level=True, unless_before=_HEDGE)
+        i = _find(lines, pattern, any_level=True, unless_hedged=True)
         if i >= 0:
             return _make(FailureClass.HOST_OOM, lines[i], {})
     rows = [ln for ln in lines if _OOM_TASK_ROW.match(ln.text)]
     if len(rows) >= 2:
         return _make(FailureClass.HOST_OOM, rows[0], {}, subclass="oom_killer_tasks")
+    rows = [ln for ln in lines if _RAY_TOP_ROW.match(ln.text)]
+    if len(rows) >= 2:
+        return _make(FailureClass.HOST_OOM, rows[0], {}, subclass="ray_memory_monitor")
 
     # 4. Other fatal errors with a known cause. An engine dying or exiting after a
     #    requested shutdown (SIGTERM/SIGINT) is the shutdown's consequence, not a failure.
@@ -967,9 +1014,9 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
             )
 
     # 5. Killed with nothing else to say: the kernel's OOM killer is the usual sender.
-    i = _find(lines, _KILLED, any_level=True)
+    i = _find(lines, _KILLED, any_level=True, unless_hedged=True)
     if i < 0 and not any(_REQUESTED_STOP.search(ln.text) for ln in lines):
-        i = _find(lines, _SIGKILL, any_level=True)
+        i = _find(lines, _SIGKILL, any_level=True, unless_hedged=True)
     if i >= 0 or exit_code in (-9, 137):
         killed = lines[i] if i >= 0 else None
         return _make(FailureClass.HOST_OOM, killed, {}, subclass="sigkill")
@@ -994,7 +1041,7 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     # A failure stated without an exception class or a traceback: "Exception in thread …",
     # a bare "Error: …", V0's "Error executing method …", an exception class that does not
     # end in Error, or a line logged at ERROR that says something failed.
-    failed = _find(lines[: stop if stop >= 0 else None], _FAILURE_STATEMENT, unless_before=_HEDGE)
+    failed = _find(lines[: stop if stop >= 0 else None], _FAILURE_STATEMENT, unless_hedged=True)
     if failed < 0:
         failed = next(
             (
