@@ -21,6 +21,7 @@ with its log's tail.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -64,8 +65,12 @@ MARK_ENV = "CHANDRAD_TEST_DAEMON"
 #: One flag-check cache (systemd's ``CACHE_DIRECTORY``) for every harness daemon of this
 #: pytest process: vLLM's parser judges a config once, not at each of the daemon starts
 #: (``engine/flagcache.py``). ``CHANDRAD_TEST_FLAG_CACHE`` names one to keep between runs.
-SHARED_CACHE = os.environ.get("CHANDRAD_TEST_FLAG_CACHE") or tempfile.mkdtemp(
-    prefix="chandrad-test-cache-")
+#: A cache made here is removed when this process exits (atexit), so that test runs do not
+#: leave one directory each in /tmp; a named one is kept.
+_NAMED_CACHE = os.environ.get("CHANDRAD_TEST_FLAG_CACHE")
+SHARED_CACHE = _NAMED_CACHE or tempfile.mkdtemp(prefix="chandrad-test-cache-")
+if not _NAMED_CACHE:
+    atexit.register(shutil.rmtree, SHARED_CACHE, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- config
