@@ -27,7 +27,7 @@ from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConf
 from chandrad.daemon import NvmlProbe
 from chandrad.engine.process import process_name, session_members
 from chandrad.engine.profile import MemoryProfile
-from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.engine.supervisor import EngineSupervisor, FlagChecks
 from chandrad.states import EngineState
 from chandrad.store import Store
 
@@ -62,9 +62,10 @@ OCR = OcrConfig(max_output_tokens=64, max_pixels=200_000, min_side_px=64)
 
 async def with_supervisor(
     cfg: EngineConfig, store: Store | None, body: Callable[[EngineSupervisor], Awaitable[None]],
-    backlog: Callable[[], bool] | None = None,
+    backlog: Callable[[], bool] | None = None, flag_checks: FlagChecks | None = None,
 ) -> None:
-    sup = EngineSupervisor(cfg, OCR, gpu=NvmlProbe(), profiles=store, backlog=backlog)
+    sup = EngineSupervisor(cfg, OCR, gpu=NvmlProbe(), profiles=store, backlog=backlog,
+                           flag_checks=flag_checks)
     task = asyncio.create_task(sup.run())
     try:
         await body(sup)
@@ -111,7 +112,9 @@ def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
     API server → no old process survives, restarted with the same profile, serves again.
 
     The kill -9 check runs on the learned start rather than on an engine of its own: the
-    same assertions, one vLLM start fewer (CI time is a budget, ~30 s a start on 2 cores)."""
+    same assertions, one vLLM start fewer (CI time is a budget, ~30 s a start on 2 cores).
+    Both supervisors share one FlagChecks, as the supervisors of one daemon do: vLLM's
+    flag check (a child importing vLLM, 9-12 s on 2 cores) runs once, not twice."""
     store = Store.open(tmp_path / "state")
     cfg = engine_config(tiny_model_dir, free_port(), kv_cache_memory_bytes=1_000_000)
     # On the CPU backend VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes.
@@ -142,12 +145,10 @@ def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
         seen["changes"] = [c.to_dict() for c in sup.profile_changes]
         seen["profile"] = sup.profile
 
-    asyncio.run(with_supervisor(cfg, store, first, backlog=lambda: True))
-    key_profile = seen["profile"]
-
     timings: dict[str, float] = {}
 
     async def second(sup: EngineSupervisor) -> None:
+        key_profile = seen["profile"]
         assert sup.profile_source == "learned"
         assert sup.profile == key_profile
         t0 = time.monotonic()
@@ -159,7 +160,13 @@ def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
         assert reply["choices"][0]["finish_reason"] in ("stop", "length")
         await kill9_restarts_without_orphans(sup, key_profile, timings)
 
-    asyncio.run(with_supervisor(replace(cfg, port=free_port()), store, second))
+    async def both() -> None:
+        checks = FlagChecks()
+        await with_supervisor(cfg, store, first, backlog=lambda: True, flag_checks=checks)
+        await with_supervisor(replace(cfg, port=free_port()), store, second,
+                              flag_checks=checks)
+
+    asyncio.run(both())
     store.close()
     print(f"\nDOWNSHIFT STEPS {seen['changes']}")
     print(f"\nENGINE TIMINGS {timings}")
