@@ -111,7 +111,8 @@ def test_second_holdout_does_not_regress() -> None:
 
 def test_no_false_memory_call_anywhere() -> None:
     """No excerpt of any file with a non-memory label is called a memory failure."""
-    for split in ("all", "holdout2", "dev3", "holdout3", "dev4", "holdout4", "dev5", "dev6"):
+    splits = ("all", "holdout2", "dev3", "holdout3", "dev4", "holdout4", "dev5", "dev6", "dev7")
+    for split in splits:
         assert BENCH.evaluate(split).false_memory_calls == 0, split
 
 
@@ -738,48 +739,90 @@ def test_dev6_excerpt(case: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- round 7
-# The round-7 hold-out (real_excerpts_round7.jsonl) is scored once by the coordinator after the
-# round-7 classifier is frozen; these tests use a file of their own, never that one.
+# real_excerpts_round7.jsonl: collected while the round-7 classifier was tuned and scored once as
+# the hold-out "holdout7" (40 of 44, 0 false memory calls; its misses were not looked at then).
+# Recorded, it became dev data for round 8 ("dev7"): its misses may be listed and tuned on.
+DEV7: list[dict[str, Any]] = BENCH.load("dev7")
+
+#: Dev-7 excerpts the classifier gets wrong, with the reason (strict: fixing one fails here).
+KNOWN_DEV7_MISSES = {
+    "vllm-omni-pr-1160": "round-7 hold-out miss, not yet looked at",
+    "instructlab-pr-2092": "round-7 hold-out miss, not yet looked at",
+    "vllm-29049": "round-7 hold-out miss, not yet looked at",
+    "gonka-pr-1171": "round-7 hold-out miss, not yet looked at",
+}
 
 
-def _write_round7(folder: Path) -> None:
+def test_round7_split_is_dev7() -> None:
+    """The spent round-7 hold-out is dev data now, listed by --misses."""
+    rows = BENCH.load("dev7")
+    assert len(rows) == 44
+    assert all(r["split"] == "dev7" for r in rows)
+    assert "dev7" in BENCH.DEV_SPLITS and "holdout7" not in BENCH.FILES
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            c,
+            id=c["id"],
+            marks=[pytest.mark.xfail(reason=KNOWN_DEV7_MISSES[c["id"]], strict=True)]
+            if c["id"] in KNOWN_DEV7_MISSES
+            else [],
+        )
+        for c in DEV7
+    ],
+)
+def test_dev7_excerpt(case: dict[str, Any]) -> None:
+    """Every round-7 excerpt (the spent hold-out, now dev) classifies to its hand label."""
+    d = classify(case["text"])
+    assert d.cls is FailureClass(case["label"]), (case["source"], d)
+
+
+# --------------------------------------------------------------------------- round 8
+# The round-8 hold-out (real_excerpts_round8.jsonl) is scored once by the coordinator after the
+# round-8 classifier is frozen; these tests use a file of their own, never that one.
+
+
+def _write_round8(folder: Path) -> None:
     rows = [
-        {"id": "a-1", "label": "other_fatal", "split": "holdout7",
+        {"id": "a-1", "label": "other_fatal", "split": "holdout8",
          "source": "https://github.com/example/a/issues/1",
          "text": "Traceback (most recent call last):\nValueError: bad"},
-        {"id": "b-2", "label": "none", "split": "holdout7",
+        {"id": "b-2", "label": "none", "split": "holdout8",
          "source": "https://github.com/example/b/issues/2",
          "text": "INFO 01-01 00:00:00 [api_server.py:1] Started server process"},
-        {"id": "c-3", "label": "cuda_oom_runtime", "split": "holdout7",
+        {"id": "c-3", "label": "cuda_oom_runtime", "split": "holdout8",
          "source": "https://github.com/example/c/issues/3",
          "text": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."},
     ]
-    (folder / "real_excerpts_round7.jsonl").write_text(
+    (folder / "real_excerpts_round8.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows)
     )
 
 
-def test_holdout7_split_reads_round7_file(tmp_path: Path) -> None:
-    """``--split holdout7`` reads real_excerpts_round7.jsonl from the fixtures folder and
+def test_holdout8_split_reads_round8_file(tmp_path: Path) -> None:
+    """``--split holdout8`` reads real_excerpts_round8.jsonl from the fixtures folder and
     scores it like the other hold-outs."""
-    _write_round7(tmp_path)
-    assert [r["id"] for r in BENCH.load("holdout7", root=tmp_path)] == ["a-1", "b-2", "c-3"]
-    report = BENCH.evaluate("holdout7", root=tmp_path)
+    _write_round8(tmp_path)
+    assert [r["id"] for r in BENCH.load("holdout8", root=tmp_path)] == ["a-1", "b-2", "c-3"]
+    report = BENCH.evaluate("holdout8", root=tmp_path)
     assert (report.total, report.correct, report.false_memory_calls) == (3, 2, 0)
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout7",
+        [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout8",
          "--fixtures", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "split=holdout7 n=3 correct=2" in proc.stdout
+    assert "split=holdout8 n=3 correct=2" in proc.stdout
 
 
-def test_holdout7_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
-    """``--misses`` refuses holdout7 (it is never tuned on) before reading anything; without
+def test_holdout8_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
+    """``--misses`` refuses holdout8 (it is never tuned on) before reading anything; without
     the file the script says so and exits 2 instead of a traceback."""
-    _write_round7(tmp_path)
-    script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout7"]
+    _write_round8(tmp_path)
+    script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout8"]
     refused = subprocess.run(
         [*script, "--fixtures", str(tmp_path), "--misses"],
         capture_output=True, text=True, timeout=120, check=False,
@@ -793,5 +836,5 @@ def test_holdout7_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) 
         check=False,
     )
     assert missing.returncode == 2
-    assert "real_excerpts_round7.jsonl" in missing.stderr and "Traceback" not in missing.stderr
-    assert {"dev5", "dev6"} <= BENCH.DEV_SPLITS and "holdout7" not in BENCH.DEV_SPLITS
+    assert "real_excerpts_round8.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+    assert {"dev5", "dev6", "dev7"} <= BENCH.DEV_SPLITS and "holdout8" not in BENCH.DEV_SPLITS
