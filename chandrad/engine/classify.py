@@ -127,11 +127,14 @@ _LEVELS = {
     "E": "ERROR",
     "F": "ERROR",
 }
-# Leading decorations, stripped repeatedly. Group "lvl" records a log level. Then the name
-# column that log multiplexers put before every line: docker compose's service ("vllm  | ",
-# "intel-gpu-vllm  | "), FastChat's stream ("... | ERROR | stderr | "); syslog's and
-# journalctl's "Aug 17 18:42:18 host unit[pid]: "; dmesg's "[12345.678]" and "dmesg -T"'s
-# bracketed date in any language.
+# Leading decorations, stripped repeatedly. Group "lvl" records a log level; when a line
+# carries several (a log collector's severity before the process's own: GKE's "INFO 2025-…Z
+# [resource.labels.containerName: vllm] … ERROR …"), the innermost, the process's, wins.
+# Then the name column that log multiplexers put before every line: docker compose's
+# service ("vllm  | ", "intel-gpu-vllm  | "), FastChat's stream ("... | ERROR | stderr | ");
+# syslog's and journalctl's "Aug 17 18:42:18 host unit[pid]: "; dmesg's "[12345.678]" and
+# "dmesg -T"'s bracketed date in any language; a bracketed tag that a launcher or collector
+# puts before each line ("[Stage-2] ", "[worker-3] ", "[resource.labels.containerName: vllm] ").
 _PREFIX = re.compile(
     r"""^(?:
         \s+
@@ -151,6 +154,7 @@ _PREFIX = re.compile(
       | [\w.-]+\s[\w.@/-]+\[\d+\]:
       | \[\s*\d+\.\d+\]
       | \[[^\]\n]{0,24}\d\d:\d\d:\d\d[^\]\n]{0,12}\]
+      | \[[A-Za-z][\w.-]*(?::\s*[\w.-]+)?\](?=\s)
     )""",
     re.VERBOSE,
 )
@@ -177,8 +181,8 @@ def _clean(line: str) -> _Line:
         if not m or m.end() == 0:
             break
         lvl = m.group("lvl1") or m.group("lvl2") or m.group("lvl3")
-        if lvl and not level:
-            level = _LEVELS.get(lvl.upper(), _LEVELS.get(lvl, ""))
+        if lvl:
+            level = _LEVELS.get(lvl.upper(), _LEVELS.get(lvl, "")) or level
         text = text[m.end() :]
     return _Line(raw=raw, text=text.strip(), level=level)
 
@@ -302,7 +306,7 @@ _LOAD_OOM_VLLM = re.compile(
     _I,
 )
 _DEVICE_OOM = re.compile(
-    r"(?:CUDA|HIP|XPU|NPU|MPS|GPU|device)\s+(?:error:?\s*)?out of memory"
+    r"(?:CUDA|HIP|XPU|NPU|MPS|GPU|device)\s+(?:error:?\s*|backend\s+)?out of memory"
     # Driver/runtime/allocator wordings: "CUDA driver error: out of memory", "CUDA runtime
     # error (2) : out of memory", "CUDA failed with error out of memory", "CUDA Error: out
     # of memory at .../cumem_allocator.cpp", "cudaError error: 2 (out of memory)",
@@ -620,7 +624,9 @@ _SHUTDOWN_SIGNAL = re.compile(
     r"received signal=?\s*SIG(?:TERM|INT)|(?:SIGTERM|SIGINT) received|Received (?:SIGTERM|SIGINT)"
     # systemd: the service's main process ended by the SIGTERM/SIGINT of a stop.
     r"|code=killed, status=(?:15/TERM|2/INT)\b"
-    r"|signal (?:SIGTERM|SIGINT|15|2) received",
+    r"|signal (?:SIGTERM|SIGINT|15|2) received"
+    # Python's SIGINT (Ctrl-C, or a wrapper interrupting the engine) as a bare exception line.
+    r"|^KeyboardInterrupt\b",
     _I,
 )
 
@@ -711,6 +717,12 @@ _WEAK_SERVING = re.compile(
     # The sampler (V0 layers/sampler.py, V1 v1/sample/sampler.py): its start-up warm-up shows
     # its own frame (_dummy_sampler_run, profile_run), so sampler frames alone mean a batch.
     r"|\bsampler\.py\b|\bget_logprobs\b"
+    # Steps of V1's GPUModelRunner.execute_model that the start-up dummy runs do not take
+    # (request state, the multimodal encoder of scheduled requests, prompt logprobs,
+    # speculative decoding) and V0's output processing of an engine step.
+    r"|\b(?:_update_states|_execute_mm_encoder|_gather_mm_embeddings|_bookkeeping_sync"
+    r"|_get_prompt_logprobs_dict|_calc_spec_decode_metadata|propose_draft_token_ids"
+    r"|_process_model_outputs)\b"
     # vLLM's sleep-mode allocator: it maps memory when a sleeping engine is woken up.
     r"|\bcumem_allocator\b"
     # Code the reporter pasted with the error (their script, not a frame of the failure):
@@ -825,7 +837,7 @@ def _window(lines: Sequence[_Line], i: int, extra: int = 3) -> str:
     return " ".join(ln.text for ln in lines[i : i + 1 + extra])
 
 
-def _message(lines: Sequence[_Line], i: int, extra: int = 5) -> str:
+def _message(lines: Sequence[_Line], i: int, extra: int = 5, *, glued: bool = False) -> str:
     """The message that starts on line ``i`` with the lines a paste's hard wrap split off.
 
     PyTorch's allocator message is one line of ~400 characters; pasted into an issue or a
@@ -843,7 +855,23 @@ def _message(lines: Sequence[_Line], i: int, extra: int = 5) -> str:
         ):
             break
         parts.append(ln.text)
-    return " ".join(parts)
+    out = parts[0]
+    for part in parts[1:]:
+        # A terminal's hard wrap falls at a fixed column, inside a word or a figure
+        # ("16." / "00 GiB", "unalloc" / "ated"): a figure is always glued back together,
+        # a word when ``glued`` asks for it.
+        number_split = re.search(r"\d\.?$", out) and re.match(r"\.?\d", part)
+        out += part if glued or number_split else " " + part
+    return out
+
+
+def _oom_figures(lines: Sequence[_Line], i: int) -> dict[str, float]:
+    """The allocator's figures of the message at line ``i``, read with the hard wraps taken
+    as spaces and, for the figures that reading misses, as splits inside a word."""
+    n = _oom_numbers(_message(lines, i))
+    for key, value in _oom_numbers(_message(lines, i, glued=True)).items():
+        _put(n, key, value)
+    return n
 
 
 def _wrapped_match(lines: Sequence[_Line], i: int, pattern: re.Pattern[str]) -> bool:
@@ -965,20 +993,20 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     ooms = _device_oom_hits(lines)
     vllm_load = _find(lines, _LOAD_OOM_VLLM)
     if ooms or vllm_load >= 0:
-        per_msg = [_oom_numbers(_message(lines, j)) for j in ooms]
+        per_msg = [_oom_figures(lines, j) for j in ooms]
         for j, n in zip(ooms, per_msg, strict=True):
             if _is_fragmentation(n):
                 return _make(FailureClass.FRAGMENTATION, lines[j], n)
         # Prefer the OOM line that carries the allocator's figures as evidence.
         best = next((j for j, n in zip(ooms, per_msg, strict=True) if n), None)
-        numbers = _oom_numbers(_message(lines, best)) if best is not None else {}
+        numbers = _oom_figures(lines, best) if best is not None else {}
         nccl = any(
             _NCCL_CONTEXT.search(ln.text) for j in ooms for ln in lines[max(j - 3, 0) : j + 1]
         )
         sub = "nccl_oom" if nccl else ""
         if vllm_load >= 0 and not was_ready:
             if not numbers:
-                numbers = _oom_numbers(_message(lines, vllm_load))
+                numbers = _oom_figures(lines, vllm_load)
             ev = lines[vllm_load]
             sub = "weights_load" if "load model" in ev.text.lower() else "warmup"
             return _make(FailureClass.CUDA_OOM_LOAD, ev, numbers, subclass=sub)
@@ -1022,11 +1050,14 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         return _make(FailureClass.HOST_OOM, killed, {}, subclass="sigkill")
 
     # 6. Any other final exception, or a non-zero exit. Exceptions after a requested
-    #    shutdown (SIGTERM/SIGINT) are its consequences (EngineDeadError), not a failure.
+    #    shutdown (SIGTERM/SIGINT) are its consequences (EngineDeadError), not a failure;
+    #    so are those Python reports as unraisable ("Exception ignored in: …").
+    ignored = _unraisable_report_lines(lines)
     last_exc = -1
     for k, ln in enumerate(lines[: stop if stop >= 0 else None]):
         if (
-            not ln.benign_level
+            k not in ignored
+            and not ln.benign_level
             and _EXCEPTION.match(ln.text)
             and not _BENIGN_EXCEPTIONS.match(ln.text)
         ):
@@ -1035,7 +1066,12 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         return _make(FailureClass.OTHER_FATAL, lines[last_exc], {}, subclass="exception")
     # A traceback whose exception line the paste (or the log's tail) lost still proves that
     # something raised: a failure of unknown cause, never a memory verdict.
-    frame = _find(lines[: stop if stop >= 0 else None], _TRACEBACK)
+    frame = _find(
+        [ln if k not in ignored else _Line(ln.raw, "", ln.level) for k, ln in enumerate(lines)][
+            : stop if stop >= 0 else None
+        ],
+        _TRACEBACK,
+    )
     if frame >= 0:
         return _make(FailureClass.OTHER_FATAL, lines[frame], {}, subclass="traceback")
     # A failure stated without an exception class or a traceback: "Exception in thread …",
@@ -1057,6 +1093,30 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         last_err = next((ln for ln in reversed(lines) if ln.level == "ERROR" and ln.text), None)
         return _make(FailureClass.OTHER_FATAL, last_err, {}, subclass="exited")
     return Diagnosis(cls=FailureClass.NONE, action=_ACTIONS[FailureClass.NONE])
+
+
+_UNRAISABLE = re.compile(r"^Exception ignored (?:in|on|while)\b")
+
+
+def _unraisable_report_lines(lines: Sequence[_Line]) -> set[int]:
+    """Lines of Python's reports of unraisable exceptions: "Exception ignored in: <function
+    X.__del__>" (or "… in atexit callback", "… while finalizing …"), the traceback after it
+    and its exception line. The interpreter prints them for a destructor or an exit hook
+    that raised, typically while it shuts down; nothing failed that the caller saw."""
+    out: set[int] = set()
+    k = 0
+    while k < len(lines):
+        if not _UNRAISABLE.match(lines[k].text):
+            k += 1
+            continue
+        out.add(k)
+        k += 1
+        while k < len(lines) and not _UNRAISABLE.match(lines[k].text):
+            out.add(k)
+            k += 1
+            if _EXCEPTION.match(lines[k - 1].text):
+                break
+    return out
 
 
 def _request_exceeds_gpu(n: dict[str, float]) -> bool:
