@@ -690,6 +690,28 @@ ROUND8_RULES = [
     ("RuntimeError: MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: "
      "1.00 GB, max allowed: 18.13 GB). Tried to allocate 256.00 MB on private pool.",
      FailureClass.CUDA_OOM_LOAD),
+    # vLLM's own memory sentences hard-wrapped by a paste, at any word: still their class ...
+    (
+        "ValueError: Free memory on device cuda:2\n(5.31/23.56 GiB) on startup is less than "
+        "desired GPU memory\nutilization (0.8, 18.85 GiB). Decrease GPU memory utilization",
+        FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH,
+    ),
+    (
+        "AssertionError: Error in memory\nprofiling. Initial free memory 70.1 GiB, current "
+        "free memory 75.3 GiB.",
+        FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH,
+    ),
+    (
+        "ValueError: The model's max seq len (32768) is larger than the maximum number of "
+        "tokens that can\nbe stored in KV cache (16384). Try increasing `gpu_memory_utilization`",
+        FailureClass.KV_CACHE_INSUFFICIENT,
+    ),
+    # ... but a wrapped INFO report stays a report.
+    (
+        "INFO 01-01 00:00:00 [gpu_worker.py:1] Memory profiling: Error in memory\n"
+        "INFO 01-01 00:00:00 [gpu_worker.py:1] profiling is not an error here",
+        FailureClass.NONE,
+    ),
     # Python's report of an unraisable exception (a destructor or exit hook that raised, as
     # at interpreter shutdown) is not a failure ...
     (

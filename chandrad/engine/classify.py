@@ -884,6 +884,25 @@ def _wrapped_match(lines: Sequence[_Line], i: int, pattern: re.Pattern[str]) -> 
     return m is not None and m.start() < len(head) < m.end()
 
 
+def _find_message(lines: Sequence[_Line], pattern: re.Pattern[str]) -> int:
+    """:func:`_find` for one of vLLM's own memory messages, which are long sentences: when no
+    line holds the wording whole, the first line (not at a benign level) where a paste's hard
+    wrap split it across itself and the next."""
+    i = _find(lines, pattern)
+    if i >= 0:
+        return i
+    return next(
+        (
+            k
+            for k, ln in enumerate(lines)
+            if not ln.benign_level
+            and not (k + 1 < len(lines) and lines[k + 1].benign_level)
+            and _wrapped_match(lines, k, pattern)
+        ),
+        -1,
+    )
+
+
 def _device_oom_hits(lines: Sequence[_Line]) -> list[int]:
     out = []
     for i, ln in enumerate(lines):
@@ -972,9 +991,9 @@ def _gmu_numbers(text: str) -> dict[str, float]:
 
 def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) -> Diagnosis:
     # 1. vLLM's own memory messages name their class.
-    i = _find(lines, _KV_NO_MEMORY)
+    i = _find_message(lines, _KV_NO_MEMORY)
     if i < 0:
-        i = _find(lines, _KV_MAX_SEQ)
+        i = _find_message(lines, _KV_MAX_SEQ)
     if i < 0:
         i = _find(lines, _KV_FRAMES, any_level=True)
     if i < 0 and not _device_oom_hits(lines):
@@ -983,7 +1002,7 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         text = _window(lines, i)
         return _make(FailureClass.KV_CACHE_INSUFFICIENT, lines[i], _kv_numbers(text))
 
-    i = _find(lines, _GMU)
+    i = _find_message(lines, _GMU)
     if i >= 0:
         return _make(
             FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH, lines[i], _gmu_numbers(_window(lines, i))
@@ -991,7 +1010,7 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
 
     # 2. Device OOM: fragmentation, runtime or load.
     ooms = _device_oom_hits(lines)
-    vllm_load = _find(lines, _LOAD_OOM_VLLM)
+    vllm_load = _find_message(lines, _LOAD_OOM_VLLM)
     if ooms or vllm_load >= 0:
         per_msg = [_oom_figures(lines, j) for j in ooms]
         for j, n in zip(ooms, per_msg, strict=True):
