@@ -47,10 +47,11 @@ DEV: list[dict[str, Any]] = BENCH.load("dev")
 #: splits only) cost one of them (49; its miss was not looked at) while the third and fourth
 #: hold-outs gained three; round 6's rules (tuned on dev5) cost one more (48) while the second
 #: hold-out gained one; round 7's rules (tuned on dev6) cost one more (47: a host-memory excerpt
-#: now called other_fatal, not looked at one by one); see tests/fixtures/classify/README.md,
-#: rounds 5 to 7. Raise it only with a better classifier that was not tuned on the hold-out's
-#: misses.
-HOLDOUT_CORRECT = 47
+#: now called other_fatal, not looked at one by one); round 8's rules (tuned on dev7 and on
+#: made-up template texts) won one back (48, run once at the end, aggregate only); see
+#: tests/fixtures/classify/README.md, rounds 5 to 8. Raise it only with a better classifier
+#: that was not tuned on the hold-out's misses.
+HOLDOUT_CORRECT = 48
 
 #: Dev excerpts the classifier is known to get wrong, with the reason. Strict: fixing one
 #: makes its test fail until it is removed from here.
