@@ -22,6 +22,11 @@ from pathlib import Path
 
 #: Longest engine output line kept whole; longer lines are cut (tracebacks of tensors).
 MAX_LINE_BYTES = 64 * 1024
+#: After the API server exits, its output is read until the pipes close, or until no line
+#: came for OUTPUT_QUIET_S, and at most OUTPUT_DRAIN_S: a survivor of its session (vLLM's
+#: engine core outlives a killed API server) holds the pipes open without writing.
+OUTPUT_QUIET_S = 0.5
+OUTPUT_DRAIN_S = 5.0
 
 LineSink = Callable[[str, str], None]  # (stream name, line)
 
@@ -111,6 +116,7 @@ class EngineProcess:
         self._readers: list[asyncio.Task[None]] = []
         self.started_at = 0.0
         self.known_pids: set[int] = set()
+        self._lines = 0  # lines read so far, both streams
 
     @property
     def pid(self) -> int | None:
@@ -155,17 +161,25 @@ class EngineProcess:
                 raw = await stream.read(MAX_LINE_BYTES)
             if not raw:
                 return
+            self._lines += 1
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             if line:
                 self.on_line(name, line)
 
     async def wait(self) -> int:
-        """Wait for the API server to exit and its output to be fully read."""
+        """Wait for the API server to exit and its output to be read: to the end, or until
+        it has gone quiet (``OUTPUT_QUIET_S``; at most ``OUTPUT_DRAIN_S``)."""
         assert self._proc is not None
         code = await self._proc.wait()
-        if self._readers:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*self._readers), timeout=5)
+        deadline = time.monotonic() + OUTPUT_DRAIN_S
+        while self._readers and not all(r.done() for r in self._readers):
+            before = self._lines
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait(self._readers, timeout=min(OUTPUT_QUIET_S, left))
+            if self._lines == before:
+                break
         return code
 
     def members(self) -> set[int]:
