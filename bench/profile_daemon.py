@@ -10,12 +10,17 @@ venv, e.g. ``pip install --target /tmp/x py-spy``); the daemon's own CPU time (`
 is split by the share of py-spy's samples in each function group and divided by the
 pages done. Without ``--py-spy`` only the totals are measured.
 
+``--hold N`` makes the stand-in behave like a full engine: it answers only once it holds
+N requests (or no new one came for 1 s), so the daemon keeps about N in flight plus its
+rendered pages waiting, as against a GPU; the daemon's own high-water mark
+(``daemon_vmhwm_mb``) is then the figure to compare with SPEC §9's 200 MB.
+
 Also writes a digest of every output file (``--digest FILE``) with the run-dependent
 metadata fields blanked, so two runs (before/after a change) can be compared for
 byte-identical Markdown, HTML and JSON.
 
 Usage: ``.venv/bin/python bench/profile_daemon.py [--py-spy /tmp/x/bin/py-spy]
-[--digest /tmp/out.json] [--keep DIR]``.
+[--digest /tmp/out.json] [--keep DIR] [--hold 64]``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import _proc
+import run as bench_run
 from run import REPO, DaemonRun, drop_files, log, select_docs
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -86,6 +92,36 @@ WORKER_GROUPS: list[tuple[str, tuple[str, ...]]] = [
 VOLATILE = ("seconds", "page_seconds", "accepted_at", "finished_at", "engine")
 
 
+class _Gate:
+    """Holds answers until ``size`` requests wait (a full engine), or none came for 1 s."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.cond = threading.Condition()
+        self.waiting = 0
+        self.batch = 0  # incremented each time a batch is let go
+        self.last_arrival = time.monotonic()
+
+    def wait(self) -> None:
+        if self.size <= 0:
+            return
+        with self.cond:
+            self.waiting += 1
+            self.last_arrival = time.monotonic()
+            mine = self.batch
+            while self.batch == mine:
+                if (self.waiting >= self.size
+                        or time.monotonic() - self.last_arrival >= 1.0):
+                    self.batch += 1
+                    self.waiting = 0
+                    self.cond.notify_all()
+                    break
+                self.cond.wait(0.1)
+
+
+GATE = _Gate(0)
+
+
 class _Standin(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         return
@@ -107,6 +143,7 @@ class _Standin(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers["Content-Length"]))
+        GATE.wait()
         self._send(json.dumps({"id": "x", "object": "chat.completion", "model": "chandra",
                                "choices": [{"index": 0, "finish_reason": "stop",
                                             "message": {"role": "assistant",
@@ -164,7 +201,12 @@ def main() -> int:
     parser.add_argument("--digest", type=Path, default=None)
     parser.add_argument("--keep", type=Path, default=None, help="copy the outputs here")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--hold", type=int, default=0,
+                        help="answer only once this many requests wait (0: at once)")
     args = parser.parse_args()
+    GATE.size = args.hold
+    if args.hold:  # the engine's max_num_seqs: the daemon's request limit follows it
+        bench_run.MAX_NUM_SEQS = args.hold
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Standin)
     server.daemon_threads = True
@@ -208,6 +250,7 @@ def main() -> int:
             cpu = (_proc.cpu_seconds(daemon) or 0.0) - cpu0
             workers_cpu = sum(_proc.cpu_seconds(p) or 0.0 for p in _proc.children(daemon))
             hwm = {p: _proc.status_kib(p, "VmHWM") for p in _proc.children(daemon)}
+            daemon_hwm = _proc.status_kib(daemon, "VmHWM") or 0
         finally:
             if args.py_spy and run.proc.poll() is None:
                 # py-spy writes its samples when the daemon exits: stop the daemon alone.
@@ -222,6 +265,7 @@ def main() -> int:
             "pages": pages, "files": len(docs), "job_states": states, "wall_s": round(wall, 1),
             "daemon_cpu_ms_per_page": round(1000 * cpu / pages, 1),
             "workers_cpu_ms_per_page": round(1000 * workers_cpu / pages, 1),
+            "daemon_vmhwm_mb": round(daemon_hwm / 1024, 1),
             "worker_vmhwm_mb": [round((v or 0) / 1024, 1) for v in hwm.values()],
             "leftover_pids": leftover,
         }
