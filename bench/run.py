@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import datetime as dt
 import json
@@ -51,7 +52,7 @@ import inflight
 from chandrad import ocr
 from chandrad.config import OcrConfig
 from chandrad.ctl.client import call as ctl_call
-from chandrad.render import RenderPool, probe
+from chandrad.render import RenderedPage, RenderPool, probe
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -142,13 +143,17 @@ async def measure_render(docs: list[Doc], ocr_cfg: OcrConfig
         workers = _proc.children(os.getpid())
         cpu0 = _proc.tree_cpu_seconds(workers) + time.process_time()
         t0 = time.perf_counter()
-        pages = await asyncio.gather(*(
-            pool.render(d.path, i, ocr_cfg.render_min_side, ocr_cfg.max_pixels)
+        # As the daemon renders: the worker also base64-encodes the PNG for the request.
+        shipped = await asyncio.gather(*(
+            pool.render_for_request(d.path, i, ocr_cfg.render_min_side, ocr_cfg.max_pixels)
             for d in docs for i in range(d.pages)))
         seconds = time.perf_counter() - t0
         cpu = _proc.tree_cpu_seconds(workers) + time.process_time() - cpu0
     finally:
         pool.close()
+    pages = [RenderedPage(p.index, base64.b64decode(p.png_b64), p.width, p.height)
+             for p in shipped]
+    del shipped
     pixels = sum(p.width * p.height for p in pages)
     return ({"pages": len(pages), "seconds": round(seconds, 3),
              "pages_per_s": rate(len(pages), seconds), "workers": pool.workers,

@@ -2,16 +2,36 @@
 
 ``pipeline`` sees the engine only as an :class:`EngineHandle`; ``control.handlers``
 sees the daemon only as :class:`DaemonControl`. The ``daemon`` package is the one place
-that wires concrete objects to these.
+that wires concrete objects to these. :class:`EncodedJson` is the one value type that
+crosses a seam (a request body the pipeline encoded, which the engine client sends).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from chandrad.protocol import EngineStatus
 from chandrad.states import EngineState
+
+
+@dataclass(frozen=True)
+class EncodedJson:
+    """A request body already encoded as JSON (UTF-8), in parts sent one after the other
+    and never joined: a page's image is most of a chat request (~0.6 MB), and joining
+    would copy it once more per request in flight."""
+
+    parts: tuple[bytes, ...]
+
+    @property
+    def size(self) -> int:
+        """The body's length in bytes (its ``Content-Length``)."""
+        return sum(len(part) for part in self.parts)
+
+
+#: A chat request as the engine client takes it: a JSON-able dict, or already encoded.
+ChatBody = dict[str, Any] | EncodedJson
 
 
 class EngineTarget(Protocol):
@@ -27,7 +47,7 @@ class EngineTarget(Protocol):
     @property
     def max_model_len(self) -> int | None: ...
 
-    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
         """One chat completion. Raises ``errors.EngineUnavailable`` when not ready or sick."""
         ...
 
@@ -79,7 +99,7 @@ class EngineHandle(Protocol):
         """Return once the engine is ``ready``."""
         ...
 
-    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
         """One chat completion. Raises ``errors.EngineUnavailable`` when not ready or sick."""
         ...
 

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import io
+import json
 import re
 import struct
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from chandra.prompts import PROMPT_MAPPING
 
 from chandrad import png
 from chandrad.errors import InputError
+from chandrad.interfaces import EncodedJson
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -118,31 +120,39 @@ def _as_sent(page_png: bytes) -> bytes:
     return buf.getvalue()
 
 
-def build_chat_request(
-    page_png: bytes,
-    *,
-    model: str,
-    prompt_type: str,
-    max_output_tokens: int | None,
-    temperature: float,
-    top_p: float,
-    fitted: bool = False,
-) -> dict[str, Any]:
-    """The OpenAI chat-completions body for one page, as ``chandra.model.vllm`` builds it.
+@dataclass(frozen=True)
+class PageImage:
+    """A rendered page as the daemon holds it from render to post-processing: the PNG in
+    base64 (ASCII bytes), which is what the request's data URL carries, so the daemon never
+    encodes the image nor keeps the PNG besides; and its pixel size. ``png_b64`` is empty
+    in a copy sent to post-processing that needs only the size (:meth:`for_answer`)."""
 
-    One user message, image first (PNG data URL) then the prompt, no system prompt.
-    Pages from :mod:`chandrad.render` already have the size ``scale_to_fit`` wants
-    (``fitted=True``) and are sent byte for byte; any other PNG is resized by Chandra's
-    rule first. ``max_output_tokens=None`` leaves ``max_tokens`` out: the engine then
-    allows exactly what its context leaves after the prompt (see :func:`request_max_tokens`).
-    """
+    index: int  # 0-based
+    width: int
+    height: int
+    png_b64: bytes
+
+    def for_answer(self, text: str, *, include_images: bool) -> PageImage:
+        """What post-processing of ``text`` needs of the page: all of it where the answer
+        may have an image crop, else only its size (``parse_chunks`` reads only that).
+
+        ``chandra.output.extract_images`` crops only blocks holding an ``img`` element,
+        which the HTML parser finds only where the answer has ``<img`` (the tag name in
+        any case); an answer without it is never cropped from."""
+        if include_images and "<img" in text.lower():
+            return self
+        return PageImage(self.index, self.width, self.height, b"")
+
+
+def _chat_body(
+    image_b64: str, *, model: str, prompt_type: str, max_output_tokens: int | None,
+    temperature: float, top_p: float,
+) -> dict[str, Any]:
     try:
         prompt = PROMPT_MAPPING[prompt_type]
     except KeyError:
         known = ", ".join(sorted(PROMPT_MAPPING))
         raise InputError(f"unknown prompt type {prompt_type!r} (known: {known})") from None
-    _png_size(page_png)
-    image_b64 = base64.b64encode(page_png if fitted else _as_sent(page_png)).decode("ascii")
     body: dict[str, Any] = {
         "model": model,
         "messages": [
@@ -163,6 +173,59 @@ def build_chat_request(
     if max_output_tokens is not None:
         body["max_tokens"] = max_output_tokens
     return body
+
+
+def build_chat_request(
+    page_png: bytes,
+    *,
+    model: str,
+    prompt_type: str,
+    max_output_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    fitted: bool = False,
+) -> dict[str, Any]:
+    """The OpenAI chat-completions body for one page, as ``chandra.model.vllm`` builds it.
+
+    One user message, image first (PNG data URL) then the prompt, no system prompt.
+    Pages from :mod:`chandrad.render` already have the size ``scale_to_fit`` wants
+    (``fitted=True``) and are sent byte for byte; any other PNG is resized by Chandra's
+    rule first. ``max_output_tokens=None`` leaves ``max_tokens`` out: the engine then
+    allows exactly what its context leaves after the prompt (see :func:`request_max_tokens`).
+    """
+    _png_size(page_png)
+    image_b64 = base64.b64encode(page_png if fitted else _as_sent(page_png)).decode("ascii")
+    return _chat_body(image_b64, model=model, prompt_type=prompt_type,
+                      max_output_tokens=max_output_tokens, temperature=temperature,
+                      top_p=top_p)
+
+
+#: Stands for the image in the encoded body; JSON writes the NULs as ``\u0000``, which
+#: neither a prompt nor the model name written by JSON can contain followed by this word.
+_IMAGE_SLOT = "\x00chandrad-image\x00"
+
+
+def encode_chat_request(
+    page: PageImage,
+    *,
+    model: str,
+    prompt_type: str,
+    max_output_tokens: int | None,
+    temperature: float,
+    top_p: float,
+) -> EncodedJson:
+    """:func:`build_chat_request` of a rendered page (``fitted=True``), encoded as JSON
+    the way httpx encodes ``json=`` (UTF-8, no spaces): the same bytes, in three parts
+    around the page's base64, which is used as it is (neither copied nor escaped: base64
+    needs no JSON escapes)."""
+    text = json.dumps(
+        _chat_body(_IMAGE_SLOT, model=model, prompt_type=prompt_type,
+                   max_output_tokens=max_output_tokens, temperature=temperature, top_p=top_p),
+        ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    head, slot, tail = text.partition(json.dumps(_IMAGE_SLOT)[1:-1])
+    if not slot:
+        raise RuntimeError("the image's place was not found in the encoded request")
+    return EncodedJson((head.encode("utf-8"), page.png_b64, tail.encode("utf-8")))
 
 
 def request_max_tokens(budget: int, max_model_len: int | None, prompt_tokens: int) -> int:
@@ -252,6 +315,11 @@ def _encode_crop(name: str, image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+class NoPagePixels(RuntimeError):
+    """Post-processing needed the page's pixels but was sent only its size: a bug in
+    ``PageImage.for_answer``, raised rather than written as a missing crop."""
+
+
 class _LazyPage:
     """The page as ``chandra.output`` uses it: ``parse_chunks`` reads only ``.size`` and
     ``extract_images`` only calls ``.crop``; the PNG is inflated on the first crop and
@@ -265,16 +333,29 @@ class _LazyPage:
     black) takes the whole-page path.
     """
 
-    def __init__(self, page_png: bytes) -> None:
-        self.size = _png_size(page_png)
-        self._png = page_png
+    def __init__(self, page: bytes | PageImage) -> None:
+        self._png: bytes | None
+        if isinstance(page, PageImage):
+            self.size = (page.width, page.height)
+            self._png, self._b64 = None, page.png_b64
+        else:
+            self.size = _png_size(page)
+            self._png, self._b64 = page, b""
         self._rows: png.Rows | None = None
         self._rgb: Image.Image | None = None
+
+    def _page_png(self) -> bytes:
+        if self._png is None:
+            if not self._b64:
+                raise NoPagePixels("a crop was asked of a page sent without its pixels")
+            self._png = base64.b64decode(self._b64)
+            self._b64 = b""
+        return self._png
 
     def _pillow_rgb(self) -> Image.Image:
         from PIL import Image
 
-        with Image.open(io.BytesIO(self._png)) as img:
+        with Image.open(io.BytesIO(self._page_png())) as img:
             self._rgb = img.convert("RGB")
         return self._rgb
 
@@ -282,7 +363,7 @@ class _LazyPage:
         from PIL import Image
 
         if self._rgb is None and self._rows is None:
-            self._rows = png.Rows.open(self._png)
+            self._rows = png.Rows.open(self._page_png())
         if self._rgb is not None or self._rows is None:  # not a PNG chandrad wrote
             return (self._rgb or self._pillow_rgb()).crop(box)
         rows = self._rows
@@ -339,7 +420,7 @@ def markdown_of(html: str) -> str:
 
 def parse_page(
     raw_html: str,
-    page_png: bytes,
+    page: bytes | PageImage,
     *,
     include_images: bool,
     include_headers_footers: bool,
@@ -347,7 +428,8 @@ def parse_page(
     """Post-process the model's raw HTML for one page with ``chandra.output``.
 
     Never raises on bad model output: each conversion that fails leaves its part empty
-    and adds a note. ``bbox`` values are in the pixels of ``page_png``.
+    and adds a note. ``bbox`` values are in the page's pixels. ``page``: the page's PNG,
+    or a :class:`PageImage` (its PNG in base64, decoded only for a crop, or its size alone).
     """
     from chandra.output import extract_images, parse_chunks, parse_html
     from chandra.settings import settings as chandra_settings
@@ -357,7 +439,7 @@ def parse_page(
     markdown = html = ""
     chunks: list[dict[str, Any]] = []
     images: dict[str, bytes] = {}
-    page = _LazyPage(page_png)
+    lazy = _LazyPage(page)
     with contextlib.redirect_stdout(chandra_said):
         try:
             html = str(
@@ -371,13 +453,15 @@ def parse_page(
         except Exception as exc:  # chandra.output on arbitrary model text
             notes.append(f"html/markdown conversion failed: {exc!r}")
         try:
-            chunks = list(parse_chunks(raw_html, page, bbox_scale=chandra_settings.BBOX_SCALE))
+            chunks = list(parse_chunks(raw_html, lazy, bbox_scale=chandra_settings.BBOX_SCALE))
         except Exception as exc:
             notes.append(f"layout parsing failed: {exc!r}")
         if include_images and chunks:
             try:
-                crops = extract_images(raw_html, chunks, page)
+                crops = extract_images(raw_html, chunks, lazy)
                 images = {str(name): _encode_crop(str(name), crop) for name, crop in crops.items()}
+            except NoPagePixels:
+                raise
             except Exception as exc:
                 notes.append(f"image extraction failed: {exc!r}")
     notes.extend(line for line in chandra_said.getvalue().splitlines() if line.strip())
@@ -391,7 +475,7 @@ def parse_page(
 def postprocess(
     text: str,
     finish_reason: str | None,
-    page_png: bytes,
+    page: bytes | PageImage,
     *,
     include_images: bool,
     include_headers_footers: bool,
@@ -400,5 +484,5 @@ def postprocess(
     reason = retry_reason(text, finish_reason)
     if reason is not None:
         return reason
-    return parse_page(text, page_png, include_images=include_images,
+    return parse_page(text, page, include_images=include_images,
                       include_headers_footers=include_headers_footers)

@@ -68,7 +68,7 @@ from chandrad.errors import (
 from chandrad.events import Event
 from chandrad.interfaces import EngineHandle, Observer
 from chandrad.protocol import HeldJob, HeldStatus
-from chandrad.render import RenderedPage, RenderPool
+from chandrad.render import RenderPool
 from chandrad.states import JobState, PageState
 from chandrad.store import Job, Store
 from chandrad.tasks import cancel_and_wait, working_on
@@ -624,8 +624,7 @@ class Pipeline:
             t0 = time.monotonic()
             page = await self._render(job, index)
             render_s = time.monotonic() - t0
-            outcome = await self._infer(job, index, page.png, page.width, page.height,
-                                        window)
+            outcome = await self._infer(job, index, page, window)
             if self.observer is not None:
                 self.observer.page_finished(outcome.ok, render_s, outcome.inference_s,
                                             time.monotonic() - t0)
@@ -644,18 +643,18 @@ class Pipeline:
         finally:
             await window.release()
 
-    async def _render(self, job: Job, index: int) -> RenderedPage:
+    async def _render(self, job: Job, index: int) -> ocr.PageImage:
         """Render one page; a crashed or hung worker takes its pool-mates down with it,
         so a page that failed that way gets one more try before it counts."""
         args = (job.abs_path, index, self.config.ocr.render_min_side, self.engine.max_pixels)
         try:
-            return await self.render.render(*args)
+            return await self.render.render_for_request(*args)
         except (RenderCrashed, RenderTimeout) as exc:
             log.warning("page_render_retry", job=job.id, page=index + 1, error=exc.message)
-            return await self.render.render(*args)
+            return await self.render.render_for_request(*args)
 
-    async def _infer(self, job: Job, index: int, png: bytes, width: int,
-                     height: int, window: _Hold) -> _PageOutcome:
+    async def _infer(self, job: Job, index: int, page: ocr.PageImage,
+                     window: _Hold) -> _PageOutcome:
         """Chandra's retry loop for one page; returns once the page is done or failed.
 
         As ``chandra.model.vllm.generate_vllm``: retried (up to ``ocr.retries`` times,
@@ -664,8 +663,12 @@ class Pipeline:
         answer cut by ``length`` is kept and marked truncated. Every answered request is
         one attempt; a request the engine failed under (it left ``ready``) is given back
         uncharged, and so is one that only needs ``max_tokens`` refitted.
+
+        The page image is held once, as the base64 the request carries: each request's
+        body is encoded around it, never copied (``ocr.encode_chat_request``).
         """
         cfg = self.config.ocr
+        width, height = page.width, page.height
         attempt = 0
         last_error = ""
         prompt_estimate = estimate_prompt_tokens(width, height, self._pixels_per_token())
@@ -693,10 +696,9 @@ class Pipeline:
                 target.max_output_tokens, target.max_model_len, prompt_estimate)
             if refit is not None:
                 max_tokens = refit[0]
-            body = ocr.build_chat_request(
-                png, model=target.served_model_name, prompt_type=cfg.prompt_type,
-                max_output_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                fitted=True)
+            body = ocr.encode_chat_request(
+                page, model=target.served_model_name, prompt_type=cfg.prompt_type,
+                max_output_tokens=max_tokens, temperature=temperature, top_p=top_p)
             self.store.claim_page(job.id, index)
             t0 = time.monotonic()
             reply: dict[str, Any] | None = None
@@ -704,9 +706,9 @@ class Pipeline:
                 reply = await target.chat(body, timeout=cfg.request_timeout)
             except EngineUnavailable as exc:
                 target.report_failure("request failed", str(exc))
-                page = self.store.page(job.id, index)
-                if (exc.page_may_be_at_fault and page is not None
-                        and page.releases >= MAX_FREE_RELEASES):
+                stored = self.store.page(job.id, index)
+                if (exc.page_may_be_at_fault and stored is not None
+                        and stored.releases >= MAX_FREE_RELEASES):
                     # This page's requests keep failing: from now on they count.
                     self.store.release_page(job.id, index, charge=True)
                     attempt += 1
@@ -744,7 +746,7 @@ class Pipeline:
                 try:
                     await window.release()
                     outcome: ocr.PageResult | str = await self.render.postprocess(
-                        text, finish, png, include_images=cfg.include_images,
+                        text, finish, page, include_images=cfg.include_images,
                         include_headers_footers=cfg.include_headers_footers)
                 except (RenderCrashed, RenderTimeout) as exc:
                     outcome = f"post-processing failed: {exc.message}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
 import contextlib
 import functools
 import math
@@ -484,6 +485,16 @@ def render_page(
     return _render_image_page(path, index, min_side_px, max_pixels)
 
 
+def render_for_request(
+    path: Path, index: int, min_side_px: int | None, max_pixels: int
+) -> ocr.PageImage:
+    """:func:`render_page`, its PNG in base64 as the request's data URL carries it: the
+    worker encodes it, so the daemon only passes the bytes on (``ocr.encode_chat_request``)."""
+    page = render_page(path, index, min_side_px, max_pixels)
+    return ocr.PageImage(index=page.index, width=page.width, height=page.height,
+                         png_b64=base64.b64encode(page.png))
+
+
 def _die_with_parent() -> None:
     """Ask the kernel to SIGKILL this worker when the daemon dies (Linux
     PR_SET_PDEATHSIG), so a daemon killed with -9 leaves no render workers behind."""
@@ -718,16 +729,29 @@ class RenderPool:
         )
         return page
 
+    async def render_for_request(
+        self, path: Path, index: int, min_side_px: int | None, max_pixels: int
+    ) -> ocr.PageImage:
+        """Render one page in a worker process, as the daemon sends it (base64)."""
+        what = f"{path.name} page {index + 1}"
+        page: ocr.PageImage = await self._run(
+            what, render_for_request, path, index, min_side_px, max_pixels
+        )
+        return page
+
     async def postprocess(
-        self, text: str, finish_reason: str | None, page_png: bytes, *,
+        self, text: str, finish_reason: str | None, page: ocr.PageImage, *,
         include_images: bool, include_headers_footers: bool,
     ) -> ocr.PageResult | str:
-        """``ocr.postprocess`` in a worker: chandra.output stays out of the daemon."""
+        """``ocr.postprocess`` in a worker: chandra.output stays out of the daemon. Only
+        what the answer needs of the page goes to the worker (``PageImage.for_answer``):
+        its size alone unless it may have an image crop."""
         result: ocr.PageResult | str = await self._run(
             "post-processing", functools.partial(
                 ocr.postprocess, include_images=include_images,
                 include_headers_footers=include_headers_footers),
-            text, finish_reason, page_png, urgent=True)
+            text, finish_reason, page.for_answer(text, include_images=include_images),
+            urgent=True)
         return result
 
     async def probe(self, path: Path, max_pages: int) -> DocumentInfo:

@@ -8,6 +8,7 @@ must match what it sent.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from chandra.model.schema import BatchInputItem
 from chandra.model.util import detect_repeat_token
@@ -28,13 +30,18 @@ from PIL import Image
 from standin_engine import StandinServer, standin_server
 
 from chandrad import errors
+from chandrad.engine.client import EngineClient
 from chandrad.ocr import (
+    NoPagePixels,
+    PageImage,
     build_chat_request,
+    encode_chat_request,
     parse_page,
+    postprocess,
     retry_reason,
     sampling_for_attempt,
 )
-from chandrad.render import render_page
+from chandrad.render import render_for_request, render_page
 
 
 @pytest.fixture
@@ -102,6 +109,86 @@ def test_request_matches_chandras_client(openai_server: StandinServer, page_png:
     assert ours == theirs
     assert _pixels(our_url) == _pixels(their_url)
     assert our_url == "data:image/png;base64," + base64.b64encode(page_png).decode()
+
+
+def _page_image(png: bytes) -> PageImage:
+    with Image.open(io.BytesIO(png)) as img:
+        width, height = img.size
+    return PageImage(0, width, height, base64.b64encode(png))
+
+
+@pytest.mark.parametrize("max_tokens", [None, 12384])
+def test_encoded_request_is_the_bytes_httpx_sends_for_the_dict(page_png: bytes,
+                                                               max_tokens: int | None) -> None:
+    """The pipeline's body, encoded around the worker's base64, is byte for byte what httpx
+    sends for ``build_chat_request`` (``json=``), whatever the prompt's characters."""
+    for prompt_type in sorted(PROMPT_MAPPING):
+        kwargs: dict[str, Any] = dict(model="chandra/é \"q\"", prompt_type=prompt_type,
+                                      max_output_tokens=max_tokens, temperature=0.3,
+                                      top_p=0.95)
+        encoded = encode_chat_request(_page_image(page_png), **kwargs)
+        as_dict = build_chat_request(page_png, fitted=True, **kwargs)
+        sent = httpx.Request("POST", "http://x/", json=as_dict).content
+        assert b"".join(encoded.parts) == sent
+        assert encoded.size == len(sent)
+    with pytest.raises(errors.InputError):
+        encode_chat_request(_page_image(page_png), model="m", prompt_type="nope",
+                            max_output_tokens=None, temperature=0.0, top_p=1.0)
+
+
+def test_the_engine_receives_the_encoded_request_whole(openai_server: StandinServer,
+                                                       page_png: bytes) -> None:
+    """EngineClient.chat sends an encoded body part after part with its Content-Length
+    (the stand-in reads exactly that many bytes): the engine parses the same request as
+    from the dict, the page's base64 unchanged."""
+    _answer(openai_server, "fine")
+    page = render_for_request(CORPUS_DIR / "good/scan_book-page_c02-22.pdf", 0, 1024, 6291456)
+    assert base64.b64decode(page.png_b64) == page_png
+    kwargs: dict[str, Any] = dict(model="chandra", prompt_type="ocr_layout",
+                                  max_output_tokens=100, temperature=0.0, top_p=0.1)
+
+    async def send() -> dict[str, Any]:
+        client = EngineClient(openai_server.url)
+        try:
+            return await client.chat(encode_chat_request(page, **kwargs))
+        finally:
+            await client.close()
+
+    reply = asyncio.run(send())
+    assert reply["choices"][0]["message"]["content"] == "fine"
+    assert _bodies(openai_server) == [build_chat_request(page_png, fitted=True, **kwargs)]
+
+
+TEXT_ONLY = '<div data-bbox="100 100 900 300" data-label="Text"><p>no figure</p></div>'
+
+
+def test_post_processing_gets_the_pixels_only_for_an_answer_with_an_image(
+        page_png: bytes) -> None:
+    """A page goes to post-processing with its size alone unless the answer has ``<img``
+    (in any case) and crops are wanted; the result is the same as from the whole page."""
+    from tiny_model import PLANTED_TEXT
+
+    page = _page_image(page_png)
+    assert page.for_answer(PLANTED_TEXT, include_images=True) is page
+    assert page.for_answer(RAW.replace("<img", "<IMG"), include_images=True) is page
+    for text, images in [(PLANTED_TEXT, False), (TEXT_ONLY, True), (TEXT_ONLY, False),
+                         (RAW, False)]:
+        sent = page.for_answer(text, include_images=images)
+        assert (sent.png_b64, sent.width, sent.height) == (b"", page.width, page.height)
+        for headers in (False, True):
+            ours = postprocess(text, "stop", sent, include_images=images,
+                               include_headers_footers=headers)
+            whole = parse_page(text, page_png, include_images=images,
+                               include_headers_footers=headers)
+            assert ours == whole
+    with_crop = postprocess(PLANTED_TEXT, "stop", page, include_images=True,
+                            include_headers_footers=False)
+    assert with_crop == parse_page(PLANTED_TEXT, page_png, include_images=True,
+                                   include_headers_footers=False)
+    assert not isinstance(with_crop, str) and len(with_crop.images) == 1
+    with pytest.raises(NoPagePixels):  # never silently a page without its crop
+        postprocess(PLANTED_TEXT, "stop", PageImage(0, page.width, page.height, b""),
+                    include_images=True, include_headers_footers=False)
 
 
 def test_unfitted_image_is_resized_like_chandra(openai_server: StandinServer) -> None:

@@ -627,8 +627,9 @@ def test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages() -> None
         try:
             crops = 0
             for name in HEAVY_PAGES:
-                page = await pool.render(CORPUS_DIR / "good" / name, 0, None, MAX_PIXELS)
-                result = await pool.postprocess(PLANTED_TEXT, "stop", page.png,
+                page = await pool.render_for_request(CORPUS_DIR / "good" / name, 0, None,
+                                                     MAX_PIXELS)
+                result = await pool.postprocess(PLANTED_TEXT, "stop", page,
                                                 include_images=True,
                                                 include_headers_footers=False)
                 assert not isinstance(result, str)
@@ -656,3 +657,4 @@ def test_an_image_page_does_not_import_pymupdf() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "False"
+

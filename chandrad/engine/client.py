@@ -7,11 +7,13 @@ become :class:`errors.EngineUnavailable`; nothing here decides what they mean.
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from chandrad.errors import EngineUnavailable
+from chandrad.interfaces import ChatBody, EncodedJson
 
 #: 5xx answers that say no engine could take the request, whatever the page: a gateway's
 #: own statuses, and what vllm-router 0.1.17 answers when the engines behind it cannot be
@@ -32,6 +34,11 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(3))
     return out
+
+
+async def _parts(body: EncodedJson) -> AsyncIterator[bytes]:
+    for part in body.parts:
+        yield part
 
 
 class EngineClient:
@@ -91,17 +98,23 @@ class EngineClient:
             return {}
         return parse_metrics(response.text)
 
-    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """``POST /v1/chat/completions``.
+    async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
+        """``POST /v1/chat/completions``. An :class:`EncodedJson` body is sent as it is,
+        part after part, with its ``Content-Length`` (not chunked).
 
         Raises:
             EngineUnavailable: transport error or a 5xx answer (the engine may be sick);
                 ``unreachable`` when a router or gateway says no engine took the request.
             ValueError: a 4xx answer (the request itself is wrong), with the body text.
         """
+        if isinstance(body, EncodedJson):
+            content: dict[str, Any] = {"content": _parts(body), "headers": {
+                "Content-Type": "application/json", "Content-Length": str(body.size)}}
+        else:
+            content = {"json": body}
         try:
             response = await self._http.post(
-                "/v1/chat/completions", json=body,
+                "/v1/chat/completions", **content,
                 timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
             )
         except httpx.HTTPError as exc:

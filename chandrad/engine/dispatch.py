@@ -26,6 +26,7 @@ from typing import Any
 
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import EngineUnavailable
+from chandrad.interfaces import ChatBody
 from chandrad.protocol import EngineStatus
 from chandrad.states import EngineState
 
@@ -59,7 +60,7 @@ class Lease:
     def max_model_len(self) -> int | None:
         return self.engine.max_model_len
 
-    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
         reply = await self.engine.chat(body, timeout=timeout)
         self.dispatcher.answered_by(self.engine.engine_id)
         return reply
@@ -159,7 +160,7 @@ class Dispatcher:
         self.answered[engine_id] += 1
         self._recent[engine_id].append(time.monotonic())
 
-    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
         """One request to the engine :meth:`pick` chooses (callers that do not build the
         request per engine)."""
         target = self.pick()

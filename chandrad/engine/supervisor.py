@@ -43,7 +43,7 @@ from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile
 from chandrad.engine.session import TOKEN_ENV, identify, new_token, token_holders
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
 from chandrad.events import Event
-from chandrad.interfaces import Observer
+from chandrad.interfaces import ChatBody, Observer
 from chandrad.protocol import EngineStatus, FailureStatus
 from chandrad.states import ENGINE_TRANSITIONS, EngineCommand, EngineState
 
@@ -271,7 +271,7 @@ class EngineSupervisor:
         self.log.warning("engine_request_failed", reason=reason, evidence=evidence[:300])
         self._probe_now.set()
 
-    async def chat(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
         if self._state is not EngineState.READY:
             raise EngineUnavailable(f"engine is {self._state.value}")
         return await self._client.chat(body, timeout=timeout)
