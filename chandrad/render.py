@@ -233,23 +233,24 @@ def _image_pages(img: Image.Image) -> int:
     return 1
 
 
-def probe(path: Path, max_pages: int) -> DocumentInfo:
-    """Identify ``path`` by content and count its pages; raise an ``InputError`` if unusable."""
+def probe(path: Path, max_pages: int, *, keep_open: bool = False) -> DocumentInfo:
+    """Identify ``path`` by content and count its pages; raise an ``InputError`` if unusable.
+
+    ``keep_open`` (in a render worker): leave a PDF or a multi-frame image open among the
+    worker's kept files, as rendering does, so that its first page, which usually follows
+    at once, does not open and parse the file again."""
     head = _sniff(path)
     if _is_pdf(head):
-        doc = _open_pdf(path)
-        try:
+        with _kept_open(path, _open_pdf, lambda doc: keep_open) as doc:
             info = DocumentInfo(kind="pdf", page_count=doc.page_count, format="PDF")
-        finally:
-            doc.close()
     else:
-        img = _open_image(path)
-        try:
-            info = DocumentInfo(kind="image", page_count=_image_pages(img), format=str(img.format))
-        except Exception as exc:
-            raise InputError(f"{path.name}: cannot count the image's pages: {exc}") from exc
-        finally:
-            img.close()
+        with _kept_open(path, _open_image,
+                        lambda img: keep_open and img.format in MULTIPAGE_FORMATS) as img:
+            try:
+                info = DocumentInfo(kind="image", page_count=_image_pages(img),
+                                    format=str(img.format))
+            except Exception as exc:
+                raise InputError(f"{path.name}: cannot count the image's pages: {exc}") from exc
     if info.page_count > max_pages:
         raise TooManyPages(
             f"{path.name}: {info.page_count} pages exceeds the limit of {max_pages} (ocr.max_pages)"
@@ -756,7 +757,8 @@ class RenderPool:
 
     async def probe(self, path: Path, max_pages: int) -> DocumentInfo:
         """Probe a file in a worker process."""
-        info: DocumentInfo = await self._run(path.name, probe, path, max_pages)
+        info: DocumentInfo = await self._run(
+            path.name, functools.partial(probe, keep_open=True), path, max_pages)
         return info
 
     def close(self) -> None:

@@ -372,6 +372,32 @@ def test_pages_of_a_pdf_do_not_each_open_it_again() -> None:
     assert per_page < first / 3, f"{per_page:.0f} reads a page, {first} to open"
 
 
+def test_a_probed_pdf_is_not_opened_again_for_its_first_page() -> None:
+    """A worker's probe leaves the PDF open for the render that follows (each job probes,
+    then renders page 1: a backlog of one-page files opened each file twice). Counted in
+    read(2) calls; the page is byte for byte that of a fresh open. Without keep_open the
+    first page cost as many reads as opening the file afresh."""
+    render._let_go()
+    before = _read_syscalls()
+    probe(LONG_PDF, 1000)
+    opening = _read_syscalls() - before
+    before = _read_syscalls()
+    render_page(LONG_PDF, 0, None, MAX_PIXELS)
+    cold = _read_syscalls() - before
+    fresh = _fresh(LONG_PDF, 0)
+    render._let_go()
+    assert probe(LONG_PDF, 1000, keep_open=True).page_count > 1
+    before = _read_syscalls()
+    page = render_page(LONG_PDF, 0, None, MAX_PIXELS)
+    after_probe = _read_syscalls() - before
+    render._let_go()
+    assert page.png == fresh
+    assert after_probe <= cold - opening * 0.8, (
+        f"{after_probe} reads after the probe, {cold} cold, {opening} to open")
+    probe(LONG_PDF, 1000)  # outside a worker: nothing kept
+    assert not render._kept
+
+
 def _fresh(path: Path, index: int) -> bytes:
     render._let_go()
     return render_page(path, index, None, MAX_PIXELS).png
