@@ -32,6 +32,7 @@ import contextlib
 import functools
 import math
 import multiprocessing
+import multiprocessing.context
 import os
 import signal
 import sys
@@ -584,6 +585,49 @@ def _worker_init(parent: int) -> None:
     pymupdf.TOOLS.mupdf_display_warnings(False)
 
 
+#: glibc tunable a render worker starts with: malloc asks the kernel for transparent huge
+#: pages (``madvise``) on the memory it maps. A page's buffers (pixmap, PNG, the inflated
+#: rows for a crop) are mapped and unmapped on every call (``_MMAP_THRESHOLD_BYTES``, for
+#: the RSS target), and each 4 KiB of them was a page fault: ~8,300 faults and ~20 ms of
+#: system time per corpus page, ~3,300 and ~12 ms with it; the high-water mark is the same
+#: (bench/README.md, "fourth pass"). glibc reads tunables only when a process starts.
+WORKER_GLIBC_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    """``GLIBC_TUNABLES`` with :data:`WORKER_GLIBC_TUNABLE` added (unless it already sets
+    that tunable) while a worker is spawned; the daemon's own environment is left as it was
+    (its other children, the engine among them, never see it)."""
+    before = os.environ.get("GLIBC_TUNABLES")
+    name = WORKER_GLIBC_TUNABLE.split("=", 1)[0]
+    if before is not None and name in before:
+        yield
+        return
+    os.environ["GLIBC_TUNABLES"] = (f"{before}:{WORKER_GLIBC_TUNABLE}" if before
+                                    else WORKER_GLIBC_TUNABLE)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = before
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned render worker, started with :data:`WORKER_GLIBC_TUNABLE`."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        with _worker_environment():
+            return multiprocessing.context.SpawnProcess._Popen(process_obj)
+
+
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    Process = _WorkerProcess
+
+
 class _Slots:
     """One slot per worker, handed out first to urgent calls, then in arrival order.
 
@@ -643,7 +687,7 @@ class RenderPool:
         # taskset), not every CPU of the host.
         self.workers = workers if workers > 0 else max(1, len(os.sched_getaffinity(0)))
         self.timeout = timeout
-        self._context = multiprocessing.get_context("spawn")
+        self._context = _WorkerContext()
         self._executor: ProcessPoolExecutor | None = None
         self._free: _Slots | None = None
         self._free_loop: asyncio.AbstractEventLoop | None = None
