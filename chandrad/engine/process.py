@@ -211,7 +211,7 @@ class EngineProcess:
                 os.kill(pid, sig)
 
     async def stop(self, timeout: float) -> set[int]:
-        """SIGTERM the whole session, SIGKILL what is left after ``timeout``.
+        """SIGTERM the whole session (with SIGCONT), SIGKILL what is left after ``timeout``.
 
         Returns:
             The pids that were still alive after SIGKILL and a grace period (should be
@@ -221,6 +221,10 @@ class EngineProcess:
             return set()
         self.survivors()  # remember every member before they start dying
         self._signal_all(signal.SIGTERM)
+        # As systemd does at a stop: a stopped member (SIGSTOP, a debugger, a hung-engine
+        # drill) keeps the SIGTERM pending and would wait out the whole timeout for the
+        # SIGKILL; resumed, it handles the SIGTERM and cleans up at once.
+        self._signal_all(signal.SIGCONT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.returncode is None:

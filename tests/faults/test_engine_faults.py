@@ -98,7 +98,7 @@ def test_engine_sigstop_health_timeout(daemon: Daemon, corpus_dir: Path) -> None
     status = d.status()
     assert status is not None and "health" in str(status["engine"].get("last_failure")), status
     record("engine SIGSTOP (hung, port open)", "/health failed 3× (5 s apart) → engine failed "
-           "→ SIGTERM, SIGKILL after stop_timeout → restarted; job done",
+           "→ SIGTERM + SIGCONT, exits → restarted; job done",
            lost=len(a.lost), twice=len(a.done_twice), serving_s=serving)
     a.assert_clean()
 
