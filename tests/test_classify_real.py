@@ -905,48 +905,87 @@ def test_dev7_excerpt(case: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- round 8
-# The round-8 hold-out (real_excerpts_round8.jsonl) is scored once by the coordinator after the
-# round-8 classifier is frozen; these tests use a file of their own, never that one.
+# real_excerpts_round8.jsonl: collected while the round-8 classifier was tuned and scored once as
+# the hold-out "holdout8" (43 of 44, 1 false memory call; its misses were not looked at then).
+# Recorded, it became dev data for round 9 ("dev8"): its misses may be listed and tuned on.
+DEV8: list[dict[str, Any]] = BENCH.load("dev8")
+
+#: Dev-8 excerpts the classifier gets wrong, with the reason (strict: fixing one fails here).
+KNOWN_DEV8_MISSES: dict[str, str] = {
+    "vllm-27761": "a bare std::bad_alloc abort is called host_oom (round 9 decides)",
+}
 
 
-def _write_round8(folder: Path) -> None:
+def test_round8_split_is_dev8() -> None:
+    """The spent round-8 hold-out is dev data now, listed by --misses."""
+    rows = BENCH.load("dev8")
+    assert len(rows) == 44
+    assert all(r["split"] == "dev8" for r in rows)
+    assert "dev8" in BENCH.DEV_SPLITS and "holdout8" not in BENCH.FILES
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            c,
+            id=c["id"],
+            marks=[pytest.mark.xfail(reason=KNOWN_DEV8_MISSES[c["id"]], strict=True)]
+            if c["id"] in KNOWN_DEV8_MISSES
+            else [],
+        )
+        for c in DEV8
+    ],
+)
+def test_dev8_excerpt(case: dict[str, Any]) -> None:
+    """Every round-8 excerpt (the spent hold-out, now dev) classifies to its hand label."""
+    d = classify(case["text"])
+    assert d.cls is FailureClass(case["label"]), (case["source"], d)
+
+
+# --------------------------------------------------------------------------- round 9
+# The round-9 hold-out (real_excerpts_round9.jsonl) is scored once by the coordinator after the
+# round-9 classifier is frozen; these tests use a file of their own, never that one.
+
+
+def _write_round9(folder: Path) -> None:
     rows = [
-        {"id": "a-1", "label": "other_fatal", "split": "holdout8",
+        {"id": "a-1", "label": "other_fatal", "split": "holdout9",
          "source": "https://github.com/example/a/issues/1",
          "text": "Traceback (most recent call last):\nValueError: bad"},
-        {"id": "b-2", "label": "none", "split": "holdout8",
+        {"id": "b-2", "label": "none", "split": "holdout9",
          "source": "https://github.com/example/b/issues/2",
          "text": "INFO 01-01 00:00:00 [api_server.py:1] Started server process"},
-        {"id": "c-3", "label": "cuda_oom_runtime", "split": "holdout8",
+        {"id": "c-3", "label": "cuda_oom_runtime", "split": "holdout9",
          "source": "https://github.com/example/c/issues/3",
          "text": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."},
     ]
-    (folder / "real_excerpts_round8.jsonl").write_text(
+    (folder / "real_excerpts_round9.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows)
     )
 
 
-def test_holdout8_split_reads_round8_file(tmp_path: Path) -> None:
-    """``--split holdout8`` reads real_excerpts_round8.jsonl from the fixtures folder and
+def test_holdout9_split_reads_round9_file(tmp_path: Path) -> None:
+    """``--split holdout9`` reads real_excerpts_round9.jsonl from the fixtures folder and
     scores it like the other hold-outs."""
-    _write_round8(tmp_path)
-    assert [r["id"] for r in BENCH.load("holdout8", root=tmp_path)] == ["a-1", "b-2", "c-3"]
-    report = BENCH.evaluate("holdout8", root=tmp_path)
+    _write_round9(tmp_path)
+    assert [r["id"] for r in BENCH.load("holdout9", root=tmp_path)] == ["a-1", "b-2", "c-3"]
+    report = BENCH.evaluate("holdout9", root=tmp_path)
     assert (report.total, report.correct, report.false_memory_calls) == (3, 2, 0)
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout8",
+        [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout9",
          "--fixtures", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "split=holdout8 n=3 correct=2" in proc.stdout
+    assert "split=holdout9 n=3 correct=2" in proc.stdout
 
 
-def test_holdout8_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
-    """``--misses`` refuses holdout8 (it is never tuned on) before reading anything; without
+def test_holdout9_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
+    """``--misses`` refuses holdout9 (it is never tuned on) before reading anything; without
     the file the script says so and exits 2 instead of a traceback."""
-    _write_round8(tmp_path)
-    script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout8"]
+    _write_round9(tmp_path)
+    script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout9"]
     refused = subprocess.run(
         [*script, "--fixtures", str(tmp_path), "--misses"],
         capture_output=True, text=True, timeout=120, check=False,
@@ -960,5 +999,6 @@ def test_holdout8_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) 
         check=False,
     )
     assert missing.returncode == 2
-    assert "real_excerpts_round8.jsonl" in missing.stderr and "Traceback" not in missing.stderr
-    assert {"dev5", "dev6", "dev7"} <= BENCH.DEV_SPLITS and "holdout8" not in BENCH.DEV_SPLITS
+    assert "real_excerpts_round9.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+    assert {"dev5", "dev6", "dev7", "dev8"} <= BENCH.DEV_SPLITS
+    assert "holdout9" not in BENCH.DEV_SPLITS
