@@ -46,8 +46,11 @@ How it decides, in order of strength:
    line, systemd-oomd, Ray's memory monitor in each shape it reports a kill in: the task's
    error, the worker's NODE_OUT_OF_MEMORY exit type, the kill summary, the top-memory-users
    table, the suggestions that end its report; "Killed", a shell's
-   "line N: PID Killed", exit 137/-9, ``DefaultCPUAllocator`` / ``MemoryError`` /
-   ``std::bad_alloc``) is ``host_oom``. A bare SIGKILL counts only when nothing else
+   "line N: PID Killed", exit 137/-9, ``DefaultCPUAllocator``, ``MemoryError``, ENOMEM
+   "Cannot allocate memory") is ``host_oom``. A C++ ``std::bad_alloc`` on its own is not
+   (a corrupt or overflowed size fails the same way; it is a crash), nor is ENOMEM from
+   registering RDMA memory (a locked-memory limit) or a request no host has (≥ 16 TiB, a
+   negative size read as unsigned). A bare SIGKILL counts only when nothing else
    explains the death and nobody was stopping the engine on purpose. A memory cause that a
    message only offers as a possibility (after a hedge word such as "potential root causes",
    "likely", "if", or as one item of an enumeration "(1) … (2) …") is never a memory verdict,
@@ -67,7 +70,7 @@ from __future__ import annotations
 import html
 import re
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -363,7 +366,6 @@ _HOST_OOM = re.compile(
     r"|\bKilled /\S+ due to memory (?:pressure|used)\b"
     r"|oom[-_]kill|oom_reaper|Memory cgroup out of memory"
     r"|DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
-    r"|\bstd::bad_alloc\b"
     r"|^MemoryError\b"
     r"|Cannot allocate memory"
     r"|killed by (?:the )?(?:\S+ ){0,3}OOM[- ]?killer"
@@ -374,6 +376,49 @@ _HOST_OOM = re.compile(
     r"|Tasks state \(memory values in pages\)|\btotal_vm\s+rss\b.*\boom_score_adj\b",
     _I,
 )
+# Host-allocation failures that do not show the host's RAM running out, so a host_oom remedy
+# (a smaller profile) would not help: C++'s std::bad_alloc, also as pybind11's "MemoryError:
+# std::bad_alloc" (operator new fails for a corrupt or overflowed size as much as for a full
+# host, and with Linux's overcommit a full host usually meets the OOM killer first); ENOMEM
+# from registering RDMA memory (NCCL's "Call to ibv_reg_mr failed with error Cannot allocate
+# memory", NET/IB), a locked-memory limit; and a request no host has (a negative size read as
+# unsigned: "you tried to allocate 18446744073709551600 bytes").
+_NOT_HOST_RAM = re.compile(
+    r"^MemoryError:\s*std::bad_alloc\b|\bibv_\w+|\bNET/IB\b|\bRDMA\b|\bmemlock\b|\bmlx\d_",
+    _I,
+)
+_HOST_REQUEST = re.compile(
+    r"(?:tried to allocate|unable to mmap|allocate|allocating)\s+(-\d+|\d{10,})\s*bytes", _I
+)
+#: Bytes no host has (16 TiB): a request this large is a bogus size, not a full host.
+_ABSURD_HOST_REQUEST = 1 << 44
+
+
+# A process's own allocation failure (as opposed to the kernel's, oomd's or Ray's report of
+# a kill): logged at WARNING or below, the process handled it (a fallback), so it is no verdict.
+_PROCESS_ALLOC_FAILURE = re.compile(
+    r"Cannot allocate memory|DefaultCPUAllocator|^MemoryError\b", _I
+)
+
+
+def _not_host_ram(text: str) -> bool:
+    """Does this host-memory wording come from something other than the host's RAM running
+    out (a locked-memory limit, RDMA registration, an impossible size)?"""
+    if _NOT_HOST_RAM.search(text):
+        return True
+    m = _HOST_REQUEST.search(text)
+    return m is not None and not 0 <= int(m.group(1)) < _ABSURD_HOST_REQUEST
+
+
+def _not_host_oom_line(ln: _Line) -> bool:
+    """:func:`_not_host_ram`, or a process's allocation failure it logged as handled."""
+    return _not_host_ram(ln.text) or (
+        ln.benign_level
+        and _PROCESS_ALLOC_FAILURE.search(ln.text) is not None
+        and _HOST_OOM.search(_PROCESS_ALLOC_FAILURE.sub("", ln.text)) is None
+    )
+
+
 # A row of that table ("[  2665]  0  2665  55756  339  77824  68  0 crond": pid, uid, tgid,
 # page counts, oom_score_adj, name; 5 to 10 numbers by kernel version). Two rows or more
 # are the OOM killer's report even when its header and verdict lines were cut.
@@ -518,6 +563,8 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
         re.compile(
             r"Fatal Python error|\bSIGABRT\b|\bSIGSEGV\b|Segmentation fault|core dumped"
             r"|terminate called after throwing"
+            # C++'s failed operator new: a corrupt or overflowed size as often as a full host.
+            r"|\bstd::bad_alloc\b"
             # Rust's and Go's panics (launchers and routers in front of an engine).
             r"|\bthread '[^']*' panicked at\b|^panic: \S|^goroutine \d+ \[",
             _I,
@@ -813,16 +860,20 @@ def _find(
     *,
     any_level: bool = False,
     unless_hedged: bool = False,
+    reject: Callable[[_Line], bool] | None = None,
 ) -> int:
     """Index of the best line matching ``pattern`` (an exception line first), or -1.
 
     With ``unless_hedged``, a match that its line only states as a possibility does not count
-    ("Some common causes include: (1) the process was killed by the OOM killer").
+    ("Some common causes include: (1) the process was killed by the OOM killer"); nor does a
+    line that ``reject`` refuses.
     """
     best, best_rank = -1, 3
     for i, ln in enumerate(lines):
         m = pattern.search(ln.text) if (any_level or not ln.benign_level) else None
         if m and unless_hedged and _hedged(ln.text, m.start()):
+            m = None
+        if m and reject is not None and reject(ln):
             m = None
         if m:
             r = _rank(ln)
@@ -874,14 +925,43 @@ def _oom_figures(lines: Sequence[_Line], i: int) -> dict[str, float]:
     return n
 
 
-def _wrapped_match(lines: Sequence[_Line], i: int, pattern: re.Pattern[str]) -> bool:
+def _wrapped_match(
+    lines: Sequence[_Line], i: int, pattern: re.Pattern[str], sep: str = " "
+) -> bool:
     """Does ``pattern`` match across the hard wrap between line ``i`` and the next
-    ("RuntimeError: CUDA out of" / "memory. Tried to allocate …")?"""
+    ("RuntimeError: CUDA out of" / "memory. Tried to allocate …")? ``sep`` is what the wrap
+    replaced: a space, or nothing where a fixed-column wrap cut a word ("not enough mem" /
+    "ory")."""
     if i + 1 >= len(lines) or not lines[i].text or not lines[i + 1].text:
         return False
     head = lines[i].text
-    m = pattern.search(head + " " + lines[i + 1].text)
+    m = pattern.search(head + sep + lines[i + 1].text)
     return m is not None and m.start() < len(head) < m.end()
+
+
+def _find_host_oom(lines: Sequence[_Line]) -> int:
+    """The line asserting that the host's RAM ran out (kernel, systemd-oomd, Ray's memory
+    monitor, an allocator's ENOMEM), or -1; also found across a paste's hard wrap, at a space
+    or inside a word, between two lines not at a benign level."""
+    for pattern in (_RAY_HOST_OOM, _HOST_OOM):
+        i = _find(lines, pattern, any_level=True, unless_hedged=True, reject=_not_host_oom_line)
+        if i >= 0:
+            return i
+    for k, ln in enumerate(lines[:-1]):
+        nxt = lines[k + 1]
+        if ln.benign_level or nxt.benign_level:
+            continue
+        for sep in (" ", ""):
+            joined = ln.text + sep + nxt.text
+            m = _HOST_OOM.search(joined)
+            if (
+                _wrapped_match(lines, k, _HOST_OOM, sep)
+                and m is not None
+                and not _hedged(joined, m.start())
+                and not _not_host_ram(joined)
+            ):
+                return k
+    return -1
 
 
 def _find_message(lines: Sequence[_Line], pattern: re.Pattern[str]) -> int:
@@ -1038,10 +1118,9 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         return _make(cls, lines[first], numbers, subclass=sub)
 
     # 3. Host memory (asserted, not listed among possible causes).
-    for pattern in (_RAY_HOST_OOM, _HOST_OOM):
-        i = _find(lines, pattern, any_level=True, unless_hedged=True)
-        if i >= 0:
-            return _make(FailureClass.HOST_OOM, lines[i], {})
+    i = _find_host_oom(lines)
+    if i >= 0:
+        return _make(FailureClass.HOST_OOM, lines[i], {})
     rows = [ln for ln in lines if _OOM_TASK_ROW.match(ln.text)]
     if len(rows) >= 2:
         return _make(FailureClass.HOST_OOM, rows[0], {}, subclass="oom_killer_tasks")
