@@ -48,8 +48,9 @@ DEV: list[dict[str, Any]] = BENCH.load("dev")
 #: hold-outs gained three; round 6's rules (tuned on dev5) cost one more (48) while the second
 #: hold-out gained one; round 7's rules (tuned on dev6) cost one more (47: a host-memory excerpt
 #: now called other_fatal, not looked at one by one); round 8's rules (tuned on dev7 and on
-#: made-up template texts) won one back (48, run once at the end, aggregate only); see
-#: tests/fixtures/classify/README.md, rounds 5 to 8. Raise it only with a better classifier
+#: made-up template texts) won one back (48, run once at the end, aggregate only); round 9's
+#: host-memory rules (tuned on dev8) left it at 48 (run once at the end); see
+#: tests/fixtures/classify/README.md, rounds 5 to 9. Raise it only with a better classifier
 #: that was not tuned on the hold-out's misses.
 HOLDOUT_CORRECT = 48
 
@@ -112,7 +113,9 @@ def test_second_holdout_does_not_regress() -> None:
 
 def test_no_false_memory_call_anywhere() -> None:
     """No excerpt of any file with a non-memory label is called a memory failure."""
-    splits = ("all", "holdout2", "dev3", "holdout3", "dev4", "holdout4", "dev5", "dev6", "dev7")
+    splits = (
+        "all", "holdout2", "dev3", "holdout3", "dev4", "holdout4", "dev5", "dev6", "dev7", "dev8"
+    )
     for split in splits:
         assert BENCH.evaluate(split).false_memory_calls == 0, split
 
