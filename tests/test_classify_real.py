@@ -790,6 +790,25 @@ ROUND9_RULES = [
      "alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough mem\n(EngineCore_DP0 pid=8) "
      "ERROR 01-01 00:00:00 [core.py:1] ory: you tried to allocate 21474836480 bytes.",
      FailureClass.HOST_OOM),
+    # The driver's "out of memory" in Triton's and vLLM's CUDACHECK wordings is a device OOM ...
+    ("RuntimeError: Triton Error [CUDA]: out of memory", FailureClass.CUDA_OOM_LOAD),
+    (
+        "RuntimeError: Triton Error [HIP]:  Code: 2, Messsage: out of memory",
+        FailureClass.CUDA_OOM_LOAD,
+    ),
+    (
+        "Failed: Cuda error /workspace/csrc/custom_all_reduce.cuh:307 'out of memory'",
+        FailureClass.CUDA_OOM_LOAD,
+    ),
+    # ... and their other errors are not.
+    (
+        "Failed: Cuda error /workspace/csrc/custom_all_reduce.cuh:307 'invalid argument'",
+        FailureClass.OTHER_FATAL,
+    ),
+    (
+        "RuntimeError: Triton Error [CUDA]: an illegal memory access was encountered",
+        FailureClass.OTHER_FATAL,
+    ),
     # Guard: a hedged OOM killer stays out of host memory.
     ("ERROR 01-01 00:00:00 [x.py:1] Worker proc VllmWorker-0 died unexpectedly, possibly "
      "killed by the OOM killer", FailureClass.OTHER_FATAL),

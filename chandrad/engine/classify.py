@@ -20,28 +20,28 @@ How it decides, in order of strength:
    line just before it (``# GPU blocks: 0``, a negative KV budget).
 3. A device OOM, in any of its wordings (PyTorch's caching-allocator message old and new,
    ``torch.OutOfMemoryError``, driver ``CUDA_ERROR_OUT_OF_MEMORY``, runtime
-   ``cudaErrorMemoryAllocation`` / "CUDA runtime error (2) : out of memory", "CUDA
-   driver error: out of memory", cuBLAS/cuDNN/NCCL allocation failures, a per-process
-   fraction's "would exceed allowed memory", and a message the paste cut off on its
-   last line, "CUDA out of"), is ``fragmentation`` when the allocator's own figures say
-   so (reserved-but-unallocated U ≥ requested R and U ≥ 256 MiB, or U ≥ 1 GiB),
-   otherwise ``cuda_oom_runtime`` or ``cuda_oom_load`` by phase. The phase is the
-   readiness history when there is one; in a pasted excerpt it is inferred from the
-   frames and messages around the error: start-up work (weights loading, profile run,
-   ``determine_available_memory``, KV cache allocation, warm-up, CUDA graph capture,
-   V0's ``CacheEngine``) against the serving loop (``run_busy_loop``, V0's
-   ``run_engine_loop``/``_log_task_completion``, sleep-mode ``wake_up``, request
-   handlers, throughput lines, SGLang's scheduler lines, a request or session id in the
-   failure's own line, a failure stated against a request or a generation, a caller's generate
-   loop). With both present the marker nearest the error wins; with neither, V1's
-   ``execute_model``, the sampler, the sleep-mode allocator or the reporter's own script
-   calling generate (all mostly serving work) tips it to runtime, and so does a model forward
-   in a paste from a stack other than vLLM (vLLM's start-up profile run runs it too). The
-   allocator's figures are read from the whole message even when the paste hard-wrapped it.
-   An OOM reported *through* NCCL ("Cuda failure 'out of memory'") is a device
-   allocation failure, not a communication fault: restarting with the same memory
-   settings would fail the same way, so it joins the OOM classes (subclass
-   ``nccl_oom``) and gets the same remedies.
+   ``cudaErrorMemoryAllocation`` / "CUDA runtime error (2) : out of memory", "CUDA driver
+   error: out of memory", Triton's "Triton Error [CUDA]: out of memory", vLLM's CUDACHECK
+   "Cuda error <file>:<line> 'out of memory'", cuBLAS/cuDNN/NCCL allocation failures, a
+   per-process fraction's "would exceed allowed memory", and a message the paste cut off on
+   its last line, "CUDA out of"), is ``fragmentation`` when the allocator's own figures say
+   so (reserved-but-unallocated U ≥ requested R and U ≥ 256 MiB, or U ≥ 1 GiB), otherwise
+   ``cuda_oom_runtime`` or ``cuda_oom_load`` by phase. The phase is the readiness history
+   when there is one; in a pasted excerpt it is inferred from the frames and messages around
+   the error: start-up work (weights loading, profile run, ``determine_available_memory``,
+   KV cache allocation, warm-up, CUDA graph capture, V0's ``CacheEngine``) against the
+   serving loop (``run_busy_loop``, V0's ``run_engine_loop``/``_log_task_completion``,
+   sleep-mode ``wake_up``, request handlers, throughput lines, SGLang's scheduler lines, a
+   request or session id in the failure's own line, a failure stated against a request or a
+   generation, a caller's generate loop). With both present the marker nearest the error
+   wins; with neither, V1's ``execute_model``, the sampler, the sleep-mode allocator or the
+   reporter's own script calling generate (all mostly serving work) tips it to runtime, and
+   so does a model forward in a paste from a stack other than vLLM (vLLM's start-up profile
+   run runs it too). The allocator's figures are read from the whole message even when the
+   paste hard-wrapped it. An OOM reported *through* NCCL ("Cuda failure 'out of memory'") is
+   a device allocation failure, not a communication fault: restarting with the same memory
+   settings would fail the same way, so it joins the OOM classes (subclass ``nccl_oom``) and
+   gets the same remedies.
 4. Host memory exhaustion (kernel OOM killer, also by its task table alone or by its kill
    line, systemd-oomd, Ray's memory monitor in each shape it reports a kill in: the task's
    error, the worker's NODE_OUT_OF_MEMORY exit type, the kill summary, the top-memory-users
@@ -323,6 +323,11 @@ _DEVICE_OOM = re.compile(
     r"|hipErrorOutOfMemory"
     r"|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|HIPBLAS_STATUS_ALLOC_FAILED"
     r"|Cuda failure (?:\d+ )?'?out of memory|Failed to CUDA (?:c|m)alloc"
+    # Triton's driver ("Triton Error [CUDA]: out of memory", "Triton Error [HIP]:  Code: 2,
+    # Messsage: out of memory") and vLLM's CUDACHECK ("Failed: Cuda error /x/y.cuh:307 'out of
+    # memory'"): the driver's error string after a file, a code or a tag.
+    r"|\bError \[(?:CUDA|HIP)\]:[^\n]{0,40}?\bout of memory\b"
+    r"|\bCuda error \S+:\d+ '?out of memory"
     # PyTorch with a per-process memory fraction set.
     r"|Allocation on device \d+ would exceed allowed memory"
     r"|\bOOM\b.*(?:Tried|trying) to allocate"
