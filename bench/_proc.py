@@ -131,3 +131,32 @@ def tree_cpu_seconds(pids: list[int]) -> float:
 def session_cpu_seconds(sid: int) -> float:
     """CPU seconds of every live process in session ``sid`` (engine: server, core, worker)."""
     return tree_cpu_seconds(session_members(sid))
+
+
+def cpu_by_pid(pids: list[int]) -> dict[int, float]:
+    """CPU seconds of each live process of ``pids`` (each its own), by pid."""
+    found: dict[int, float] = {}
+    for pid in pids:
+        cpu = cpu_seconds(pid)
+        if cpu is not None:
+            found[pid] = cpu
+    return found
+
+
+def cmdline(pid: int) -> str | None:
+    """``/proc/PID/cmdline`` with spaces for its NULs, or None once it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+
+
+def environ(pid: int) -> dict[str, str] | None:
+    """The environment ``pid`` was started with (``/proc/PID/environ``), or None."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}

@@ -63,6 +63,8 @@ MAX_MODEL_LEN = 4096
 MAX_NUM_SEQS = 16
 #: CPUs the engine is pinned to (``--shape gpu``); None: not pinned.
 ENGINE_CPUS: list[int] | None = None
+#: ``status`` calls timed on the idle daemon after the run (bench polling's cost).
+STATUS_CALLS = 200
 BIG_PDF = "digital_de-math-lecture-notes_117p_geotopo.pdf"
 LATENCY_FILE = "image_hi-devanagari.png"
 FINISHED = ("done", "partial", "failed", "cancelled")
@@ -380,11 +382,14 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     """
     names = [d.path.name for d in docs]
     engine0, daemon0 = _proc.session_cpu_seconds(engine_sid), _proc.session_cpu_seconds(run.pid)
+    by_pid0 = _proc.cpu_by_pid(_proc.session_members(run.pid))
     t0 = drop_files([d.path for d in docs], run.inbox, names)
     deadline = time.monotonic() + timeout
     peak_children = 0.0
     finished = 0
     worker_hwm: dict[int, float] = {}
+    roles: dict[int, str] = {}
+    tunables: dict[int, str | None] = {}
     with (httpx.Client(base_url=engine_base, timeout=5) as engine_http,
           inflight.Sampler(engine_base, status=run.status) as sampler):
         hist0 = inflight.histograms(engine_http)
@@ -397,12 +402,15 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
             peak_children = max(peak_children, kids)
             for pid in workers:
                 worker_hwm[pid] = max(worker_hwm.get(pid, 0.0), rss_mb(pid, "VmHWM"))
+            _note_roles(run.pid, workers, roles, tunables)
             if finished >= len(docs):
                 break
             time.sleep(0.25)
         hist1 = inflight.histograms(engine_http)
     engine_cpu = _proc.session_cpu_seconds(engine_sid) - engine0
     daemon_cpu = _proc.session_cpu_seconds(run.pid) - daemon0
+    by_pid1 = _proc.cpu_by_pid(_proc.session_members(run.pid))
+    status_calls = len(sampler.samples)
     states = dict(run.query("SELECT state, count(*) FROM jobs WHERE id > ? GROUP BY state",
                             (after_job,)))
     pages_row = run.query(
@@ -426,6 +434,8 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
         "drop_to_first_request_s": round(first_sent - t0, 3) if first_sent else None,
         "engine_cpu_s_per_page": round(engine_cpu / max(1, pages_done), 3),
         "daemon_cpu_s_per_page": round(daemon_cpu / max(1, pages_done), 3),
+        "cpu_split": _cpu_split(run.pid, by_pid0, by_pid1, roles, pages_done),
+        "render_worker_env": _worker_env(run.pid, roles, tunables),
         "rss_peak_mb": rss_mb(run.pid, "VmHWM"),
         "render_workers_rss_peak_mb": round(peak_children, 1),
         "render_worker_rss_hwm_mb": sorted(worker_hwm.values(), reverse=True),
@@ -450,7 +460,82 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     result["rss_idle_mb"] = rss_mb(run.pid)
     result["render_workers_rss_idle_mb"] = round(
         sum(rss_mb(p) for p in _proc.children(run.pid)), 1)
+    daemon_self = by_pid1.get(run.pid, 0.0) - by_pid0.get(run.pid, 0.0)
+    result["status_poll"] = measure_status_cost(run, STATUS_CALLS, status_calls, daemon_cpu,
+                                                daemon_self, pages_done)
     return result
+
+
+def _role(daemon: int, pid: int) -> str:
+    """``daemon``, ``render_workers`` (spawned pool processes) or ``other`` (the
+    multiprocessing resource tracker, anything else in the daemon's session)."""
+    if pid == daemon:
+        return "daemon"
+    return "render_workers" if "spawn_main" in (_proc.cmdline(pid) or "") else "other"
+
+
+def _note_roles(daemon: int, pids: list[int], roles: dict[int, str],
+                tunables: dict[int, str | None]) -> None:
+    """Record each new child's role and, for a render worker, the ``GLIBC_TUNABLES`` it
+    was started with (read while it runs: ``/proc/PID/environ``)."""
+    for pid in pids:
+        if pid in roles:
+            continue
+        roles[pid] = _role(daemon, pid)
+        if roles[pid] == "render_workers":
+            env = _proc.environ(pid)
+            tunables[pid] = env.get("GLIBC_TUNABLES") if env is not None else "<unreadable>"
+
+
+def _cpu_split(daemon: int, before: dict[int, float], after: dict[int, float],
+               roles: dict[int, str], pages: int) -> dict[str, Any]:
+    """The session's CPU over the same window as ``daemon_cpu_s_per_page``, by role.
+
+    A process alive at both ends counts its difference, one started in the window all of
+    its CPU; one that exited in the window is lost (as in the raw figure), and counted.
+    """
+    seconds = {"daemon": 0.0, "render_workers": 0.0, "other": 0.0}
+    for pid, cpu in after.items():
+        role = roles.get(pid) or _role(daemon, pid)
+        seconds[role] += cpu - before.get(pid, 0.0)
+    total = sum(seconds.values())
+    out: dict[str, Any] = {f"{role}_cpu_s_per_page": round(s / max(1, pages), 4)
+                           for role, s in seconds.items()}
+    out["daemon_share"] = round(seconds["daemon"] / total, 3) if total > 0 else None
+    out["render_workers"] = sum(1 for pid in after if roles.get(pid) == "render_workers")
+    out["exited_in_window"] = sorted(set(before) - set(after))
+    return out
+
+
+def _worker_env(daemon: int, roles: dict[int, str],
+                tunables: dict[int, str | None]) -> dict[str, Any]:
+    """Whether every render worker seen in the run had the hugetlb tunable."""
+    denv = _proc.environ(daemon)
+    return {"checked": len(tunables),
+            "with_hugetlb": sum(1 for v in tunables.values()
+                                if v is not None and "glibc.malloc.hugetlb=1" in v),
+            "glibc_tunables": sorted({str(v) for v in tunables.values()}),
+            "daemon_glibc_tunables": denv.get("GLIBC_TUNABLES") if denv is not None else None,
+            "others": sorted(pid for pid, role in roles.items() if role == "other")}
+
+
+def measure_status_cost(run: DaemonRun, n: int, calls_in_run: int, daemon_cpu: float,
+                        daemon_self: float, pages: int) -> dict[str, Any]:
+    """The daemon-session CPU of ``n`` back-to-back ``status`` calls on the idle daemon,
+    and what the run's ``calls_in_run`` (the Sampler's, one a sample) cost at that rate.
+    Not net of the idle CPU (``idle_cpu_percent`` of the window): an upper bound."""
+    cpu0, t0 = _proc.session_cpu_seconds(run.pid), time.monotonic()
+    failed = sum(1 for _ in range(n) if run.status() is None)
+    cpu, wall = _proc.session_cpu_seconds(run.pid) - cpu0, time.monotonic() - t0
+    per_call = cpu / n
+    polled = calls_in_run * per_call
+    return {"calls": n, "failed": failed, "wall_s": round(wall, 3),
+            "daemon_ms_per_call": round(1000 * per_call, 3),
+            "calls_in_run": calls_in_run,
+            "cpu_s_per_page": round(polled / max(1, pages), 4),
+            "share_of_daemon_cpu": round(polled / daemon_cpu, 3) if daemon_cpu > 0 else None,
+            "share_of_daemon_process_cpu": round(polled / daemon_self, 3)
+            if daemon_self > 0 else None}
 
 
 def measure_backlog(root: Path, model: Path, n: int, settle: float,
@@ -694,6 +779,19 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         f"{c.get('engine_cpu_s_per_page')}, {eng_cli.get('engine_cpu_s_per_page')}")
     add("CPU s/page: chandrad (daemon+workers) | CLI",
         f"{c.get('daemon_cpu_s_per_page')} | {eng_cli.get('cli_cpu_s_per_page')}")
+    split = c.get("cpu_split", {})
+    poll = c.get("status_poll", {})
+    add("CPU s/page split: daemon | render workers | other (same window)",
+        f"{split.get('daemon_cpu_s_per_page')} | {split.get('render_workers_cpu_s_per_page')} "
+        f"| {split.get('other_cpu_s_per_page')}")
+    add("bench status polling: daemon ms/call | calls in run | s/page | share of daemon "
+        "session CPU | of daemon process CPU",
+        f"{poll.get('daemon_ms_per_call')} | {poll.get('calls_in_run')} | "
+        f"{poll.get('cpu_s_per_page')} | {poll.get('share_of_daemon_cpu')} | "
+        f"{poll.get('share_of_daemon_process_cpu')}")
+    wenv = c.get("render_worker_env", {})
+    add("render workers with GLIBC_TUNABLES hugetlb=1 / checked",
+        f"{wenv.get('with_hugetlb')} / {wenv.get('checked')} {wenv.get('glibc_tunables')}")
     add("chandrad mean pages in flight | engine idle CPU",
         f"{c.get('mean_pages_in_flight')} | {c.get('engine_idle_cpu_percent')} %")
     seqs = res["settings"]["max_num_seqs"]
