@@ -71,9 +71,18 @@ class Stack:
         result = self.query(expr)
         return float(result[0]["value"][1]) if result else None
 
-    def wait_value(self, expr: str, expected: float, timeout: float = 60) -> None:
-        wait_until(lambda: self.value(expr) == expected, timeout, f"{expr} == {expected}",
-                   every=0.5, context=lambda: f"{expr} = {self.query(expr)}")
+    def wait_values(self, expected: dict[str, float], timeout: float = 60) -> None:
+        """Wait until Prometheus's latest samples of every ``expr`` equal ``expected``.
+
+        The daemon counts a page when it finishes but moves the job to its final state a
+        little later (outputs written, file moved), and Prometheus keeps the last scrape
+        taken: a scrape between the two holds the page counter final and the job gauges
+        not yet. Waiting for one series therefore says nothing about another."""
+        def seen() -> dict[str, float | None]:
+            return {expr: self.value(expr) for expr in expected}
+
+        wait_until(lambda: seen() == expected, timeout, f"Prometheus shows {expected}",
+                   every=0.5, context=lambda: f"latest: {seen()}")
 
 
 @pytest.fixture(scope="module")
@@ -261,16 +270,26 @@ def test_prometheus_scrapes_the_daemon(stack: Stack, corpus_dir: Path,
     pages_done = sum(int(j["pages_done"] or 0) for j in jobs)
     pages_failed = sum(int(j["pages_failed"] or 0) for j in jobs)
     assert pages_done >= 1
-    stack.wait_value('chandrad_pages_processed_total{outcome="done"}', pages_done)
+    by_state = {j["state"] for j in jobs}
+    jobs_by_state = {state: sum(1 for j in jobs if j["state"] == state)
+                     for state in ("done", "failed", "pending", "running")}
+    stack.wait_values({
+        'chandrad_pages_processed_total{outcome="done"}': pages_done,
+        'chandrad_pages_processed_total{outcome="failed"}': pages_failed,
+        "chandrad_page_seconds_count": pages_done + pages_failed,
+        "chandrad_page_inference_seconds_count": pages_done,
+        "chandrad_page_render_seconds_count": pages_done + pages_failed,
+        "chandrad_queue_files": 0,
+        **{f'chandrad_jobs{{state="{state}"}}': want for state, want in jobs_by_state.items()},
+    })
+    assert stack.value('chandrad_pages_processed_total{outcome="done"}') == pages_done
     assert stack.value('chandrad_pages_processed_total{outcome="failed"}') == pages_failed
     assert stack.value("chandrad_page_seconds_count") == pages_done + pages_failed
     assert stack.value("chandrad_page_inference_seconds_count") == pages_done
     assert stack.value("chandrad_page_render_seconds_count") == pages_done + pages_failed
     p50 = stack.value("histogram_quantile(0.5, rate(chandrad_page_seconds_bucket[10m]))")
     assert p50 is not None
-    by_state = {j["state"] for j in jobs}
-    for state in ("done", "failed", "pending", "running"):
-        want = sum(1 for j in jobs if j["state"] == state)
+    for state, want in jobs_by_state.items():
         assert stack.value(f'chandrad_jobs{{state="{state}"}}') == want, (state, by_state)
     assert stack.value('chandrad_engine_state{engine="0",state="ready"}') == 1
     assert stack.value('sum(chandrad_engine_state{engine="0"})') == 1
