@@ -85,6 +85,8 @@ _MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 0) or 1 << 31
 _EXIF_ORIENTATION = 0x0112
 #: Times a call reruns because another call's timeout killed the pool under it.
 MAX_INNOCENT_RERUNS = 3
+#: How often a call waiting on a worker checks that the pool's workers are alive.
+WORKER_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -710,10 +712,41 @@ class RenderPool:
         self._executor = None
         # ProcessPoolExecutor has no public way to stop a busy worker before 3.14.
         processes = dict(getattr(executor, "_processes", None) or {})
+        results = getattr(executor, "_result_queue", None)
         executor.shutdown(wait=False, cancel_futures=True)
         for proc in processes.values():
             if proc.is_alive():
                 proc.kill()
+        if results is not None:
+            # A worker killed while sending its result left the executor's manager thread
+            # reading the rest of the message, which only end-of-file on the result pipe
+            # ends: this process holds the last write end once its workers are gone. Left
+            # blocked, that thread is joined at interpreter exit, which never returns.
+            results._writer.close()
+
+    @staticmethod
+    def _dead_worker(executor: ProcessPoolExecutor) -> bool:
+        processes = dict(getattr(executor, "_processes", None) or {})
+        return any(not proc.is_alive() for proc in processes.values())
+
+    async def _outcome(self, executor: ProcessPoolExecutor, future: asyncio.Future[Any]) -> Any:
+        """``future``'s result within ``timeout``; BrokenProcessPool once a worker of
+        ``executor`` is dead.
+
+        CPython's executor notices a dead worker itself, except when the worker died while
+        sending a result (a page's base64 PNG is hundreds of KB, more than a pipe holds):
+        its manager thread has started reading that message and waits for the rest for
+        ever, so the future would only end at ``timeout`` (300 s by default)."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    done, _ = await asyncio.wait({future}, timeout=WORKER_CHECK_S)
+                    if done:
+                        return future.result()
+                    if self._dead_worker(executor):
+                        raise BrokenProcessPool("a render worker died during the call")
+        finally:
+            future.cancel()  # a no-op once done, as asyncio.wait_for did on a timeout
 
     def _slots(self, loop: asyncio.AbstractEventLoop) -> _Slots:
         """One slot per worker (futures belong to one event loop; tests use several)."""
@@ -731,6 +764,8 @@ class RenderPool:
             try:
                 executor = self._pool()
                 try:
+                    if self._dead_worker(executor):  # the executor may not know it yet
+                        raise BrokenProcessPool("a render worker died while idle")
                     future = loop.run_in_executor(executor, _in_worker, fn, *args)
                 except BrokenProcessPool as exc:
                     # A worker died while no call of ours ran on it (killed while idle,
@@ -745,7 +780,7 @@ class RenderPool:
                     raise RenderCrashed(
                         f"{what}: render worker died (crash or out of memory)") from exc
                 try:
-                    return await asyncio.wait_for(future, self.timeout)
+                    return await self._outcome(executor, future)
                 except TimeoutError as exc:
                     self._recycle(executor, killed=True)
                     raise RenderTimeout(

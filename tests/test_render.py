@@ -10,8 +10,12 @@ import contextlib
 import io
 import json
 import os
+import platform
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -558,6 +562,66 @@ def test_pool_recovers_from_a_worker_killed_while_idle() -> None:
     first, counts, now = asyncio.run(main())
     assert counts == [1, 1, 1]
     assert now and not set(now) & set(first)
+
+
+#: The write(2) syscall number, as /proc/PID/syscall shows it, per machine.
+_WRITE_SYSCALL = {"x86_64": "1", "aarch64": "64"}
+
+
+@pytest.mark.skipif(platform.machine() not in _WRITE_SYSCALL, reason="write(2) number unknown")
+def test_pool_fails_fast_when_a_worker_dies_sending_its_page(tmp_path: Path) -> None:
+    """A worker killed while it writes its page back (a noise image: ~31 MB of base64, far
+    more than a pipe holds) fails that call with render_crashed at once, not at the
+    pool's timeout: CPython's executor had started reading the message and waited for
+    the rest for ever. Its manager thread ends too (it was joined at exit: the process
+    never exited). Before the fix: render_timeout after the full 60 s, the thread alive."""
+    noise = tmp_path / "noise.png"
+    Image.frombytes("RGB", (2800, 2800), os.urandom(2800 * 2800 * 3)).save(
+        noise, compress_level=1)
+    quick = CORPUS_DIR / "good/digital_sf424-federal-form.pdf"
+    write = _WRITE_SYSCALL[platform.machine()]
+
+    def kill_once_sending(pid: int, killed: list[float]) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                with open(f"/proc/{pid}/syscall") as fh:
+                    if fh.read().split()[0] == write:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(time.monotonic())
+                        return
+                time.sleep(0.0005)
+
+    async def main() -> tuple[BaseException | None, float, list[float], RenderedPage]:
+        pool = RenderPool(workers=1, timeout=60)
+        try:
+            await pool.probe(quick, 10)  # start the worker
+            (pid,) = _worker_pids()
+            killed: list[float] = []
+            killer = threading.Thread(target=kill_once_sending, args=(pid, killed))
+            killer.start()
+            t0 = time.monotonic()
+            failure: BaseException | None = None
+            try:
+                await pool.render_for_request(noise, 0, None, 2800 * 2800)
+            except errors.InputError as exc:
+                failure = exc
+            took = time.monotonic() - t0
+            killer.join(10)
+            return failure, took, [k - t0 for k in killed], await pool.render(
+                quick, 0, MIN_SIDE, MAX_PIXELS)
+        finally:
+            pool.close()
+
+    failure, took, killed, page = asyncio.run(main())
+    print(f"\nkilled while sending at {killed}; the call failed after {took:.1f} s")
+    assert len(killed) == 1, "the worker was not seen writing its page"
+    assert isinstance(failure, errors.RenderCrashed), failure
+    assert took < 30, took
+    _check_page(page, 0)
+    stuck = [t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread"]
+    for thread in stuck:
+        thread.join(10)
+    assert not [t for t in stuck if t.is_alive()]
 
 
 def test_pool_times_out_a_slow_page_and_recovers() -> None:
