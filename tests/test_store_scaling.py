@@ -9,8 +9,10 @@ handler), not in seconds, so a loaded machine cannot make the test pass or fail.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,3 +137,31 @@ def test_counts_of_a_store_from_before_the_counters(tmp_path: Path) -> None:
         assert before[0]["done"] == 6 and before[1] == {"done": 6, "pending": 2}
     finally:
         store.close()
+
+
+def test_pages_per_minute_reads_only_the_index(tmp_path: Path) -> None:
+    """``pages_done_since`` (the pages/min of every status call and metrics scrape) counts
+    from the index alone: pages finished before the window cost nothing, and no page's row,
+    whose result can hold its crops in overflow pages, is read (schema 5)."""
+    cost: dict[int, int] = {}
+    for jobs in (100, 3000):
+        store = Store.open(tmp_path / f"state-{jobs}")
+        try:
+            _fill(store, jobs)
+            done = jobs // 5
+            # All but three pages finished an hour ago, outside the 15-minute window.
+            store._conn.execute("UPDATE pages SET finished_at = finished_at - 3600 "
+                                "WHERE state = 'done' AND job_id > 5")
+            store._conn.commit()
+            since = time.time() - 900
+            assert store.pages_done_since(since) == 3
+            assert store.pages_done_since(since - 7200) == done
+            plan = " ".join(str(row) for row in store._conn.execute(
+                "EXPLAIN QUERY PLAN SELECT COUNT(*) FROM pages "
+                "WHERE state = 'done' AND finished_at >= ?", (since,)))
+            assert "COVERING INDEX" in plan, plan
+            cost[jobs] = _steps(store, functools.partial(store.pages_done_since, since))
+        finally:
+            store.close()
+    # 30 times the history: the same three rows read (before: every done page's row).
+    assert cost[3000] <= cost[100] + 5, cost
