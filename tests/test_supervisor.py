@@ -134,6 +134,9 @@ def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
         assert downshifted.kv_cache_memory_bytes > 1_000_000
         reply = await sup.chat(chat_body())
         assert reply["choices"]
+        # Only now is there a backlog, so the upshift probe (which restarts the engine)
+        # cannot cut this request off: stable_seconds and upshift_after are 1 s each.
+        seen["answered"] = True
         # Upshift: the probe goes back to the 1 MB profile, fails, reverts and pins.
         await wait_until_async(lambda: sup.upshift_pinned, START_TIMEOUT * 2,
                                "upshift probe failed")
@@ -162,7 +165,8 @@ def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
 
     async def both() -> None:
         checks = FlagChecks()
-        await with_supervisor(cfg, store, first, backlog=lambda: True, flag_checks=checks)
+        await with_supervisor(cfg, store, first, backlog=lambda: bool(seen.get("answered")),
+                              flag_checks=checks)
         await with_supervisor(replace(cfg, port=free_port()), store, second,
                               flag_checks=checks)
 
