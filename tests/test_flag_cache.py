@@ -55,6 +55,37 @@ def test_second_start_reuses_the_clean_verdict_without_a_child(
     assert len(stored) == 1, stored
 
 
+def test_a_change_the_flags_do_not_show_reuses_the_verdict(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """The check sees only the flags: a restart after a change of engine keys that never
+    reach the command line (here stop_timeout and stable_seconds) reuses the verdict; a
+    changed flag (max_num_seqs) checks again."""
+    folder = tmp_path / "engine"
+    python = write_standin(folder, {"check_flags": ["ok", "bad_flag"]})
+    port, log = free_port(), tmp_path / "daemon.log"
+    config = daemon_config(tmp_path, python, port)
+    run_until_ready(config, tmp_path, log)
+    text = config.read_text()
+    assert "stop_timeout = 5\n" in text and "stable_seconds = 0.5\n" in text
+    config.write_text(text.replace("stop_timeout = 5\n", "stop_timeout = 7\n").replace(
+        "stable_seconds = 0.5\n", "stable_seconds = 0.7\n"))
+    run_until_ready(config, tmp_path, log)
+    assert [e["behaviour"] for e in events(folder) if e["what"] == "check_flags"] == ["ok"]
+    assert [e["cached"] for e in checked(log)] == [False, True]
+    config.write_text(config.read_text().replace(
+        "[engine.downshift]", "[engine.memory]\nmax_num_seqs = 3\n\n[engine.downshift]"))
+    proc = start_daemon(config, log)
+    try:
+        assert proc.wait(90) == ExitCode.CONFIG, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [e["behaviour"] for e in events(folder) if e["what"] == "check_flags"] == [
+        "ok", "bad_flag"]
+    assert [e["cached"] for e in checked(log)] == [False, True, False]
+
+
 def test_another_vllm_installation_reruns_the_check(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:

@@ -28,8 +28,9 @@ import structlog
 
 log = structlog.get_logger("chandrad.engine")
 
-#: Bumped when the key's shape or the meaning of a stored verdict changes.
-FORMAT = 1
+#: Bumped when the key's shape or the meaning of a stored verdict changes (2: the engine
+#: config left the key, the flags it turns into stay).
+FORMAT = 2
 IDENTITY_TIMEOUT = 30.0
 SUBDIR = "flag-checks"
 
@@ -84,14 +85,18 @@ def installation_identity(python: str, timeout: float = IDENTITY_TIMEOUT) -> dic
     return identity
 
 
-def verdict_key(python: str, config_key: str, flags: Sequence[str]) -> dict[str, Any] | None:
-    """Everything a clean verdict depends on; ``None`` when the installation is unknown."""
+def verdict_key(python: str, flags: Sequence[str]) -> dict[str, Any] | None:
+    """Everything a clean verdict depends on; ``None`` when the installation is unknown.
+
+    The check child sees only the flags (on its stdin) and the interpreter it runs in, so
+    engine keys that never reach the command line (``stop_timeout``, ``stable_seconds``,
+    ``env``, ``[engine.downshift]``, ``exit_on_fatal``…) are not part of the key: a change
+    of one of them reuses the verdict instead of paying another check."""
     identity = installation_identity(python)
     if identity is None:
         return None
     return {"format": FORMAT, "python": python, "installation": identity,
-            "chandrad": str(Path(__file__).resolve().parents[1]),
-            "config": config_key, "flags": list(flags)}
+            "chandrad": str(Path(__file__).resolve().parents[1]), "flags": list(flags)}
 
 
 class FlagVerdictCache:

@@ -129,7 +129,7 @@ class FlagChecks:
         stored = None
         if self.cache is not None:
             flags = engine_flags(judged, profile)
-            stored = await asyncio.to_thread(verdict_key, python, key, flags)
+            stored = await asyncio.to_thread(verdict_key, python, flags)
             if stored is not None and await asyncio.to_thread(self.cache.is_clean, stored):
                 return [], True
         problems = await validate_in_child(engine, profile, engine.python or None)
