@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import (
     OCR_REAL_ENGINE,
+    SHARED_CACHE,
     Daemon,
     drop,
     engine_leftovers,
@@ -61,8 +62,12 @@ class Batch:
     engine_port: int
 
     def argv(self, *inputs: Path) -> list[str]:
-        return [sys.executable, "-m", "chandrad", "batch", "--config", str(self.config),
-                *map(str, inputs), "--output", str(self.output)]
+        """The batch command; its flag checks share the harness daemons' verdict cache
+        (``CACHE_DIRECTORY``), so the real-engine daemons of later modules, whose engine
+        flags are the same, skip theirs."""
+        return ["env", f"CACHE_DIRECTORY={SHARED_CACHE}", sys.executable, "-m", "chandrad",
+                "batch", "--config", str(self.config), *map(str, inputs),
+                "--output", str(self.output)]
 
     def db(self) -> sqlite3.Connection:
         return sqlite3.connect(f"file:{self.output / '.chandrad' / 'chandrad.sqlite3'}?mode=ro",
