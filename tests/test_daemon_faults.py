@@ -31,9 +31,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
            free_port: Callable[[], int]) -> Iterator[Daemon]:
     if os.geteuid() != 0:
         pytest.skip("the output folder is a real tmpfs: mounting it needs root")
+    # real_engine's own engine flags (max_num_seqs 16), as test_daemon's: the flag check's
+    # verdict is cached by flags, so this module does not pay another vLLM import for it.
     d = Daemon(tmp_path_factory.mktemp("faults"),
-               real_engine(tiny_model_dir, port=free_port(), max_num_seqs=8,
-                           stable_seconds=None),
+               real_engine(tiny_model_dir, port=free_port(), stable_seconds=None),
                settle=0.5, poll_interval=None, ocr=OCR_REAL_ENGINE)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d.output)],
                    check=True)
