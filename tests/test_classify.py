@@ -60,7 +60,7 @@ def test_own_cases(case: dict[str, Any]) -> None:
     for key, value in case.get("numbers", {}).items():
         assert d.numbers[key] == pytest.approx(value, abs=1e-3), key
     assert d.action
-    assert (d.evidence == "") == (d.cls is FailureClass.NONE or case.get("exit_code") == -9)
+    assert (d.evidence == "") == (d.cls is FailureClass.NONE)
 
 
 @pytest.mark.parametrize("name", sorted(H200), ids=sorted(H200))
@@ -140,6 +140,9 @@ def test_sigkill_alone_is_host_oom_but_gpu_evidence_wins() -> None:
     ok_log = (FIXTURES / "vllm_cpu_startup_ok.log").read_text()
     assert classify(ok_log, exit_code=-9).cls is FailureClass.HOST_OOM
     assert classify(ok_log, exit_code=137).cls is FailureClass.HOST_OOM
+    # No line says "Killed": the exit status is the evidence, never an empty string.
+    assert classify(ok_log, exit_code=-9).evidence == "killed by SIGKILL"
+    assert classify(ok_log, exit_code=137).evidence == "killed by SIGKILL"
     assert classify(ok_log, exit_code=0).cls is FailureClass.NONE
     oom = (OWN / "h200_full.txt").read_text()
     assert classify(oom, exit_code=-9).cls is FailureClass.CUDA_OOM_LOAD
@@ -149,6 +152,7 @@ def test_nonzero_exit_without_evidence_is_other_fatal() -> None:
     """A clean-looking log with exit status 1 is other_fatal/exited, restartable."""
     d = classify((FIXTURES / "vllm_cpu_startup_ok.log").read_text(), exit_code=1)
     assert (d.cls, d.subclass, d.restartable) == (FailureClass.OTHER_FATAL, "exited", True)
+    assert d.evidence == "exited with status 1"
 
 
 @pytest.mark.parametrize(("line", "fatal"), [

@@ -130,6 +130,8 @@ def test_kill_without_kernel_oom_restarts_same_profile(
     supervise(sup, body)
     assert sup.last_failure is not None
     assert (str(sup.last_failure.cls), sup.last_failure.subclass) == ("other_fatal", "killed")
+    # The stand-in prints nothing when killed: the evidence is the exit status itself.
+    assert sup.last_failure.evidence == "killed by SIGKILL (the kernel recorded no OOM kill)"
     assert sup.restarts == 1 and sup.profile_changes == []
     assert len(spawns(folder)) == 2
 

@@ -1150,7 +1150,8 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         i = _find(lines, _SIGKILL, any_level=True, unless_hedged=True)
     if i >= 0 or exit_code in (-9, 137):
         killed = lines[i] if i >= 0 else None
-        return _make(FailureClass.HOST_OOM, killed, {}, subclass="sigkill")
+        return _make(FailureClass.HOST_OOM, killed, {}, subclass="sigkill",
+                     otherwise="killed by SIGKILL")
 
     # 6. Any other final exception, or a non-zero exit. Exceptions after a requested
     #    shutdown (SIGTERM/SIGINT) are its consequences (EngineDeadError), not a failure;
@@ -1194,7 +1195,8 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         return _make(FailureClass.OTHER_FATAL, lines[failed], {}, subclass="error")
     if exit_code not in (None, 0):
         last_err = next((ln for ln in reversed(lines) if ln.level == "ERROR" and ln.text), None)
-        return _make(FailureClass.OTHER_FATAL, last_err, {}, subclass="exited")
+        return _make(FailureClass.OTHER_FATAL, last_err, {}, subclass="exited",
+                     otherwise=f"exited with status {exit_code}")
     return Diagnosis(cls=FailureClass.NONE, action=_ACTIONS[FailureClass.NONE])
 
 
@@ -1241,7 +1243,10 @@ def _make(
     *,
     subclass: str = "",
     restartable: bool = True,
+    otherwise: str = "",
 ) -> Diagnosis:
+    """The verdict proved by ``line``; with no line (an exit status alone), ``otherwise``
+    is the evidence."""
     action = (
         _FATAL_ACTIONS.get(subclass, _ACTIONS[cls])
         if cls is FailureClass.OTHER_FATAL
@@ -1249,7 +1254,7 @@ def _make(
     )
     return Diagnosis(
         cls=cls,
-        evidence=line.raw if line is not None else "",
+        evidence=line.raw if line is not None else otherwise,
         numbers=numbers,
         action=action,
         restartable=restartable,
