@@ -224,6 +224,12 @@ CONTROL_ERROR_CODES: frozenset[str] = frozenset(
 CTL_EXIT4_CODES: frozenset[str] = frozenset({"forbidden", "unknown_command", "not_found"})
 
 
+#: A job the operator cancelled (``chandractl cancel``): the store's ``error_code`` and
+#: ``error_message`` and its input's ``error.json`` say the same.
+CANCELLED_CODE = "cancelled"
+CANCELLED_MESSAGE = "cancelled by the operator"
+
+
 class InternalError(ChandradError):
     """A broken invariant (for example an illegal state transition)."""
 

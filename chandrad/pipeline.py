@@ -58,6 +58,8 @@ from chandrad import model_files, names, ocr, outputs
 from chandrad.config import Config, WatchConfig
 from chandrad.engine.profile import PIXELS_PER_IMAGE_TOKEN, estimate_prompt_tokens
 from chandrad.errors import (
+    CANCELLED_CODE,
+    CANCELLED_MESSAGE,
     ChandradError,
     EngineUnavailable,
     InputError,
@@ -493,7 +495,7 @@ class Pipeline:
                         reason="its watch is no longer configured; the input is left there")
         elif job.abs_path.exists():
             final = outputs.move_to(watch.failed, job.input_root, job.abs_path)
-            outputs.write_error_json(final, "cancelled", "cancelled by the operator",
+            outputs.write_error_json(final, CANCELLED_CODE, CANCELLED_MESSAGE,
                                      job.attempts, {"created": job.created_at,
                                                     "cancelled": time.time()})
             self.store.set_job_state(job_id, JobState.CANCELLED, final_path=final)

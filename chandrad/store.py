@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from chandrad import names
-from chandrad.errors import InternalError, StateDirInUse
+from chandrad.errors import CANCELLED_CODE, CANCELLED_MESSAGE, InternalError, StateDirInUse
 from chandrad.states import (
     JOB_FINISHED,
     JOB_OPEN,
@@ -684,16 +684,17 @@ class Store:
         return True
 
     def cancel(self, job_id: int) -> bool:
-        """Cancel a pending, running or held job; False when it does not exist or already ended."""
+        """Cancel a pending, running or held job, with error ``cancelled`` (what its
+        ``error.json`` says); False when it does not exist or already ended."""
         with self._tx() as c:
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or JobState(row[0]) not in JOB_OPEN:
                 return False
             now = time.time()
             c.execute(
-                "UPDATE jobs SET state = 'cancelled', finished_at = ?, updated_at = ? "
-                "WHERE id = ?",
-                (now, now, job_id),
+                "UPDATE jobs SET state = 'cancelled', error_code = ?, error_message = ?, "
+                "finished_at = ?, updated_at = ? WHERE id = ?",
+                (CANCELLED_CODE, CANCELLED_MESSAGE, now, now, job_id),
             )
             return True
 

@@ -112,7 +112,11 @@ def test_retried_job_that_succeeds_keeps_no_error(
     drop(corpus_dir / "good/image_hi-devanagari.png", d.inbox, name)
     job = d.wait_job(name, "accepted", 60)
     assert d.ctl_json("cancel", str(job["id"]))["cancelled"] == job["id"]
-    assert _stored(d, name)["state"] == "cancelled"
+    # The store, chandractl and error.json give the same reason.
+    stored = _stored(d, name)
+    assert (stored["state"], stored["error_code"]) == ("cancelled", "cancelled"), stored
+    listed = d.job(name)
+    assert listed is not None and listed["error_code"] == "cancelled", listed
     assert json.loads((d.failed / f"{name}.error.json").read_text())["code"] == "cancelled"
     assert d.ctl_json("retry", str(job["id"]))["retried"] == [job["id"]]
     assert not (d.failed / f"{name}.error.json").exists()

@@ -310,6 +310,10 @@ def test_held_job_stays_open_and_resumes(store: Store) -> None:
     assert again is not None and again.error_code is None and again.attempts == 2
     store.set_job_state(job.id, JobState.HELD, error_code="output_unwritable")
     assert store.cancel(job.id) is True
+    cancelled = store.get(job.id)
+    assert cancelled is not None
+    assert (cancelled.error_code, cancelled.error_message) == ("cancelled",
+                                                               "cancelled by the operator")
 
 
 def test_pages_done_since(store: Store) -> None:
