@@ -428,8 +428,9 @@ class Pipeline:
 
     def held(self) -> HeldStatus:
         """Accepted jobs that are not being worked on, and why (for ``status``): their
-        watch is no longer configured, they are backing off after an error that left
-        them unfinished, or their outputs cannot be written (``output_unwritable``)."""
+        watch is no longer configured (``watch_removed``), they are backing off after an
+        error that left them unfinished (``backoff``), or their outputs cannot be written
+        (``output_unwritable``)."""
         count, orphans = self.store.active_outside(list(self._watches_by_root()))
         now = time.monotonic()
         jobs: list[HeldJob] = [{
@@ -439,12 +440,30 @@ class Pipeline:
         jobs += [{"id": job_id, "file": b.file, "reason": "backoff", "message": b.reason,
                   "failures": b.failures, "retry_in_s": round(max(0.0, b.until - now), 1)}
                  for job_id, b in sorted(self._backoff.items())]
-        held = [j for j in self._held_jobs() if j.id not in self._active]
+        held = self._held_waiting()
         jobs += [{"id": j.id, "file": names.display(j.abs_path), "reason": j.error_code,
                   "message": j.error_message,
                   "retry_in_s": round(max(0.0, self._held_retry.get(j.id, (now, 0.0))[0]
                                           - now), 1)} for j in held]
         return {"count": count + len(self._backoff) + len(held), "jobs": jobs}
+
+    def held_counts(self) -> dict[str, int]:
+        """How many jobs :meth:`held` lists, by reason (those with none left out), without
+        listing them: for systemd's ``STATUS=``, built at every turn of the main loop."""
+        removed, _ = self.store.active_outside(list(self._watches_by_root()), limit=0)
+        out = {"watch_removed": removed, "backoff": len(self._backoff)}
+        for j in self._held_waiting():
+            reason = j.error_code or JobState.HELD.value
+            out[reason] = out.get(reason, 0) + 1
+        return {reason: n for reason, n in out.items() if n}
+
+    def _held_waiting(self) -> list[Job]:
+        """Jobs in the ``held`` state waiting for their retry (not being retried now);
+        one whose watch was removed is counted as ``watch_removed`` instead."""
+        if not self.store.counts().get(JobState.HELD.value):
+            return []
+        return [j for j in self._held_jobs()
+                if j.id not in self._active and self._watch_for(j) is not None]
 
     @property
     def active_jobs(self) -> int:

@@ -3,9 +3,10 @@ held jobs, on the real daemon (``chandrad run``) with the stand-in engine proces
 through ``engine.url``, a real read-only bind mount, the real notify socket and the real
 ``chandractl``.
 
-A held job (``output_unwritable``) shows in ``STATUS=`` while it waits; once its outputs
-can be written it ends ``done`` with no error left in the store, ``queue`` or ``status``;
-a job retried by the operator after it failed ends the same way. The failed attempt stays
+A held job (``output_unwritable``) shows in ``STATUS=`` while it waits, and so does one
+backing off after an error; once its outputs can be written it ends ``done`` with no
+error left in the store, ``queue`` or ``status``; a job retried by the operator after it
+failed ends the same way. The failed attempt stays
 in the log. Needs root for the bind mount.
 """
 
@@ -101,6 +102,34 @@ def test_held_job_shows_in_status_line_and_ends_done_without_its_error(
     log = [json.loads(line) for line in d.log_path.read_text().splitlines()
            if '"job_held"' in line]
     assert log and log[0]["code"] == "output_unwritable", log
+
+
+def test_job_backing_off_counts_in_status_line_with_its_reason(
+    served: tuple[Daemon, StandinServer, Notify], corpus_dir: Path
+) -> None:
+    """Every reason ``status`` lists a job under ``held`` counts in ``STATUS=``, not only
+    ``output_unwritable``: here a bad input whose move to failed/ fails (failed/ is a file)
+    backs off until failed/ is a folder again, then fails as it should."""
+    d, _, notify = served
+    name = "unfailable.pdf"
+    away = d.root / "failed.away"
+    d.failed.rename(away)
+    try:
+        d.failed.write_text("not a folder")
+        drop(corpus_dir / "bad/broken_not-a-pdf-text.pdf", d.inbox, name)
+        d.wait_for("status listing the job as backing off", lambda: [
+            j["reason"] for j in d.ctl_json("status")["held"]["jobs"]] == ["backoff"], 60)
+        d.wait_for("STATUS= counting the job backing off",
+                   lambda: any("held=1 (backoff 1)" in s for s in notify.statuses()), 10)
+    finally:
+        if d.failed.is_file():
+            d.failed.unlink()
+        away.rename(d.failed)
+    print(f"\nSTATUS= while backing off: {[s for s in notify.statuses() if 'held' in s][-1]}")
+    d.wait_jobs_final([name], 60)
+    listed = d.job(name)
+    assert listed is not None and listed["state"] == "failed", listed
+    d.wait_for("STATUS= without held jobs", lambda: "held" not in notify.statuses()[-1], 10)
 
 
 def test_retried_job_that_succeeds_keeps_no_error(

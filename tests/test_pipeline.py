@@ -292,6 +292,10 @@ def test_job_whose_watch_was_removed_is_held_visibly(tmp_path: Path,
     with_c = write_config(tmp_path, standin, [a, c])
     store = Store.open(with_c.daemon.state_dir)
     job = accept(store, c, make_image(c.input / "doc_c.png"), watch_index=1)
+    # One held for unwritable outputs before its watch went: counted once, as removed.
+    unwritable = accept(store, c, make_image(c.input / "doc_c2.png", text="two"), watch_index=1)
+    store.set_job_state(unwritable.id, JobState.RUNNING)
+    store.set_job_state(unwritable.id, JobState.HELD, error_code="output_unwritable")
     without_c = write_config(tmp_path, standin, [a])
 
     async def body() -> None:
@@ -302,15 +306,19 @@ def test_job_whose_watch_was_removed_is_held_visibly(tmp_path: Path,
             assert run.job(job.id).state is JobState.PENDING
             assert (c.input / "doc_c.png").is_file()
             held = run.pipeline.held()
-            assert held["count"] == 1
-            assert (held["jobs"][0]["id"], held["jobs"][0]["reason"]) == (job.id,
-                                                                          "watch_removed")
+            assert held["count"] == 2, held
+            assert [(j["id"], j["reason"]) for j in held["jobs"]] == [
+                (job.id, "watch_removed"), (unwritable.id, "watch_removed")]
             assert str(c.input.resolve()) in str(held["jobs"][0]["message"])
+            assert run.pipeline.held_counts() == {"watch_removed": 2}
             assert run.pipeline.idle()
         async with running(with_c, store) as run:
-            done = await run.wait_finished(job.id)
-            assert done.state is JobState.DONE and (c.done / "doc_c.png").is_file()
+            for one in (job, unwritable):
+                done = await run.wait_finished(one.id)
+                assert done.state is JobState.DONE
+            assert (c.done / "doc_c.png").is_file() and (c.done / "doc_c2.png").is_file()
             assert run.pipeline.held()["count"] == 0
+            assert run.pipeline.held_counts() == {}
 
     try:
         run_async(body)

@@ -45,8 +45,11 @@ def status_line(daemon: Daemon) -> str:
     line = (f"{daemon.state.value}; engine {engine}; queue pending={counts.get('pending', 0)} "
             f"active={counts.get('active', 0)} done={counts.get('done', 0)} "
             f"failed={counts.get('failed', 0)}")
-    if counts.get("held"):
-        line += f" held={counts['held']} (outputs unwritable)"
+    held = daemon.pipeline.held_counts() if daemon.pipeline else {}
+    if held:
+        # The jobs status lists under "held", whatever keeps them: each reason's count.
+        reasons = ", ".join(f"{reason} {n}" for reason, n in held.items())
+        line += f" held={sum(held.values())} ({reasons})"
     degraded = daemon.tasks.degraded()
     if degraded:
         line += f"; DEGRADED: {', '.join(degraded)} (chandractl status)"
