@@ -521,7 +521,8 @@ class Pipeline:
         return True
 
     def retry_job(self, job: Job) -> bool:
-        """Move a failed input back from ``failed/`` and requeue it."""
+        """Move a failed, partial or cancelled job's input back (from ``failed/``, or
+        ``done/`` for a partial job) and requeue it: its failed pages run again."""
         if job.final_path is not None and job.final_path.exists() and not job.abs_path.exists():
             job.abs_path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(job.final_path, job.abs_path)

@@ -124,7 +124,8 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         {JobState.RUNNING, JobState.PENDING, JobState.FAILED, JobState.CANCELLED}
     ),
     JobState.DONE: frozenset(),
-    JobState.PARTIAL: frozenset(),
+    # chandractl retry: a partial job's failed pages are sent again, its done pages kept.
+    JobState.PARTIAL: frozenset({JobState.PENDING}),
     JobState.FAILED: frozenset({JobState.PENDING}),  # chandractl retry
     JobState.CANCELLED: frozenset({JobState.PENDING}),
 }

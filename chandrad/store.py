@@ -651,9 +651,10 @@ class Store:
         return JobState(row[0])
 
     def retry(self, job_id: int) -> bool:
-        """Requeue a failed or cancelled job; its failed pages go back to pending.
+        """Requeue a failed, partial or cancelled job; its failed pages go back to pending.
 
-        Pages already done are kept (not recomputed). Returns False when the job does
+        Pages already done are kept (not recomputed): a partial job's retry sends only
+        the pages that failed. Returns False when the job does
         not exist or is not in a state that can be retried.
         """
         with self._tx():

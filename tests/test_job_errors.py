@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import Daemon, drop
+from PIL import Image, ImageDraw
 from standin_engine import StandinServer
 
 pytestmark = pytest.mark.engine
@@ -65,6 +66,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, S
         d.cleanup()
         engine.stop()
         notify.close()
+
+
+def _two_page_tiff(path: Path, colours: tuple[str, str]) -> Path:
+    """A two-page TIFF; each page's colour (its centre pixel) picks the stand-in's reply."""
+    frames = [Image.new("RGB", (1120, 1400), colour) for colour in colours]
+    for i, frame in enumerate(frames):
+        ImageDraw.Draw(frame).text((40, 40), f"page {i + 1}", fill="black")
+    frames[0].save(path, format="TIFF", save_all=True, append_images=frames[1:])
+    return path
 
 
 def _stored(d: Daemon, name: str) -> dict[str, object]:
@@ -157,3 +167,35 @@ def test_retried_job_that_succeeds_keeps_no_error(
     assert (listed["error_code"], listed["error_message"]) == (None, None), listed
     assert (stored["error_code"], stored["error_message"]) == (None, None), stored
     assert "cancelled" not in d.ctl("queue").stdout
+
+
+def test_retried_partial_job_redoes_only_its_failed_page(
+    served: tuple[Daemon, StandinServer, Notify], tmp_path: Path
+) -> None:
+    """``chandractl retry`` of a ``partial`` job (one page of two failed: the engine
+    answered it 500) moves its input back from done/, sends only the failed page again
+    and ends ``done`` with both pages in the outputs; the done page is not recomputed."""
+    d, engine, _ = served
+    name = "half.tif"
+    engine.update(replies={"colour:255,0,0": {"status": 500, "message": "poison page"}})
+    try:
+        drop(_two_page_tiff(tmp_path / name, ("white", "red")), d.inbox, name)
+        d.wait_jobs_final([name], 120)
+        job = d.job(name)
+        assert job is not None and job["state"] == "partial", job
+        assert (d.done / name).exists() and not (d.inbox / name).exists()
+    finally:
+        engine.update(replies={})
+    sent = len(engine.chats())
+    assert d.ctl_json("retry", str(job["id"]))["retried"] == [job["id"]]
+    assert (d.inbox / name).exists() and not (d.done / name).exists()
+    d.wait_jobs_final([name], 120)
+    again = d.job(name)
+    assert again is not None and again["state"] == "done", again
+    assert (again["error_code"], again["error_message"]) == (None, None), again
+    assert (d.done / name).exists() and not (d.inbox / name).exists()
+    assert len(engine.chats()) == sent + 1, "the done page was sent again"
+    assert [j["state"] for j in d.stored_jobs() if Path(str(j["path"])).name == name] == [
+        "done"], "the input moved back was queued as a second job"
+    metadata = json.loads((d.output / "half" / "half_metadata.json").read_text())
+    assert (metadata["pages_ok"], metadata["pages_failed"]) == (2, 0), metadata

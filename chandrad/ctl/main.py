@@ -55,10 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     command("resume", "dispatch pages again")
     command("drain", "finish accepted work, accept no new files").add_argument(
         "--wait", action="store_true", help="return only once drained")
-    retry = command("retry", "requeue a failed job, or all failed jobs")
+    retry = command("retry", "requeue a failed, partial (its failed pages) or cancelled "
+                    "job, or all failed jobs")
     target = retry.add_mutually_exclusive_group(required=True)
     target.add_argument("job", nargs="?", type=int, help="job id")
-    target.add_argument("--failed", action="store_true", help="every failed job")
+    target.add_argument("--failed", action="store_true",
+                        help="every failed job (not partial ones)")
     command("cancel", "cancel a queued or running job").add_argument("job", type=int)
     command("reload", "re-read the config; restart the engine only if its settings changed"
             ).add_argument("--wait", action="store_true", help="return once reloaded")

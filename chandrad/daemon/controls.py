@@ -106,7 +106,8 @@ class Controls:
             jobs = [job]
         retried = [j.id for j in jobs if pipeline.retry_job(j)]
         if job_id is not None and not retried:
-            raise ControlError("invalid_state", f"job {job_id} is not failed or cancelled")
+            raise ControlError("invalid_state", f"job {job_id} is not failed, partial or "
+                               "cancelled")
         return {"retried": retried}
 
     async def cancel(self, job_id: int) -> dict[str, Any]:
