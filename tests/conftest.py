@@ -5,11 +5,13 @@ Owns only fixtures that many test modules need; module-specific helpers live wit
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import os
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import daemon_harness
@@ -43,6 +45,27 @@ def loop_model_dir() -> Path:
 def free_port() -> Callable[[], int]:
     """A function returning a currently free localhost TCP port."""
     return daemon_harness.free_port
+
+
+@pytest.fixture
+def read_only_mount() -> Callable[[Path], contextlib.AbstractContextManager[None]]:
+    """``with read_only_mount(folder):`` makes ``folder`` read-only for the block: a
+    read-only bind mount of itself (the tests run as root, which ignores file modes),
+    unmounted on leaving. Skips the test where ``mount --bind`` is refused."""
+
+    @contextlib.contextmanager
+    def read_only(folder: Path) -> Iterator[None]:
+        if subprocess.run(["mount", "--bind", str(folder), str(folder)],
+                          capture_output=True).returncode != 0:
+            pytest.skip(f"needs mount --bind (root with CAP_SYS_ADMIN) for a read-only "
+                        f"{folder.name}/")
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+            yield
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+
+    return read_only
 
 
 #: The test documents, kept in the repository (``tests/corpus/README.md``). The one place

@@ -21,8 +21,7 @@ from pathlib import Path
 
 from standin_engine import events, write_standin
 from test_daemon_service import wait_answering
-from test_supervision import daemon_config, start_daemon, status, wait_engine
-from waiting import exited, wait_until
+from test_supervision import daemon_config, start_daemon, wait_engine
 
 #: Seconds from the kill to ``ready -> failed``: the 1 s look and the 0.5 s quiet period,
 #: with room for a loaded two-core box; below the 5 s read limit it used to wait out.
@@ -58,10 +57,7 @@ def test_kill9_of_the_api_server_leaves_ready_at_once_though_a_survivor_holds_it
         assert survivors, "the stand-in left no child holding its pipes"
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: (e := status(sock)["engine"])["pid"] != pid and e["state"] == "ready",
-                   60, "the engine restarted and ready", every=0.3, gone=exited(proc),
-                   context=lambda: log.read_text()[-3000:])
-        after = status(sock)
+        after = wait_engine(sock, proc, log, "ready", replacing=pid)
         assert after["engine"]["restarts"] == 1, after
         changes = _state_changes(log, killed_at)
         seen = next(t for t, old, new in changes if (old, new) == ("ready", "failed"))

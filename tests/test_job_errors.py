@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -82,22 +82,17 @@ def _stored(d: Daemon, name: str) -> dict[str, object]:
 
 
 def test_held_job_shows_in_status_line_and_ends_done_without_its_error(
-    served: tuple[Daemon, StandinServer, Notify], corpus_dir: Path
+    served: tuple[Daemon, StandinServer, Notify], corpus_dir: Path,
+    read_only_mount: Callable[[Path], AbstractContextManager[None]]
 ) -> None:
     d, _, notify = served
-    if subprocess.run(["mount", "--bind", str(d.done), str(d.done)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("needs mount --bind (root with CAP_SYS_ADMIN) for a read-only done/")
     name = "held.png"
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(d.done)], check=True)
+    with read_only_mount(d.done):
         drop(corpus_dir / "good/image_hi-devanagari.png", d.inbox, name)
         held = d.wait_job(name, "held", 60, lambda j: j["state"] == "held")
         assert held["error_code"] == "output_unwritable", held
         d.wait_for("STATUS= naming the held job",
                    lambda: any("held=1" in s for s in notify.statuses()), 10)
-    finally:
-        subprocess.run(["umount", str(d.done)], check=True)
     print(f"\nSTATUS= while held: {[s for s in notify.statuses() if 'held' in s][-1]}")
     d.wait_jobs_final([name], 120)
     listed = d.job(name)

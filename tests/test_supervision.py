@@ -184,14 +184,20 @@ def status(sock: Path) -> dict[str, Any]:
 
 
 def wait_engine(sock: Path, proc: subprocess.Popen[bytes], log: Path, state: str,
-                timeout: float = 60) -> dict[str, Any]:
+                timeout: float = 60, replacing: int | None = None) -> dict[str, Any]:
+    """Poll ``status`` until engine 0 is in ``state`` (with ``replacing``: an engine whose
+    pid is not that one, i.e. restarted); the status that showed it. Fails at once with
+    the log's tail if the daemon exits."""
     seen: list[dict[str, Any]] = []
 
     def reached() -> bool:
         seen.append(status(sock))
-        return bool(seen[-1]["engine"]["state"] == state)
+        engine = seen[-1]["engine"]
+        return bool(engine["state"] == state
+                    and (replacing is None or engine["pid"] != replacing))
 
-    wait_until(reached, timeout, f"engine {state}", every=0.3, gone=exited(proc),
+    what = f"engine {state}" if replacing is None else f"engine {state}, not pid {replacing}"
+    wait_until(reached, timeout, what, every=0.3, gone=exited(proc),
                context=lambda: log.read_text()[-3000:])
     return seen[-1]
 

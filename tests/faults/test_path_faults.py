@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -57,23 +57,19 @@ def _error(d: Daemon, name: str) -> dict[str, object]:
 # ------------------------------------------------------------------ folders
 
 
-def test_read_only_done(daemon: Daemon, corpus_dir: Path) -> None:
+def test_read_only_done(daemon: Daemon, corpus_dir: Path,
+                        read_only_mount: Callable[[Path], AbstractContextManager[None]]
+                        ) -> None:
     """done/ read-only when a job finishes → the job is held (outputs written, input kept
     in the inbox) and moved to done/ once done/ is writable again; never failed/."""
     d = daemon
-    if subprocess.run(["mount", "--bind", str(d.done), str(d.done)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("needs mount --bind (root with CAP_SYS_ADMIN) for a read-only done/")
     name = "ro-done.pdf"
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(d.done)], check=True)
+    with read_only_mount(d.done):
         drop(corpus_dir / "good" / "scan_four-orientations_cardinal.pdf", d.inbox, name)
         d.wait_for("job no longer pending or running", lambda: (_job(d, name) or {}).get(
             "state") not in (None, "pending", "running"), 60)
         job = _job(d, name)
         state_ro = f"{job['state']} ({job['error_code']})" if job else "missing"
-    finally:
-        subprocess.run(["umount", str(d.done)], check=True)
     t0 = time.monotonic()
     jobs = d.wait_stored_final([name], 120)
     a = audit(d, {name: 4})
