@@ -41,6 +41,16 @@ def run_until_ready(config: Path, root: Path, log: Path) -> None:
         assert proc.wait(60) == 0, log.read_text()[-3000:]
 
 
+def exits_with_config_error(config: Path, log: Path) -> None:
+    """Start the daemon and see it exit 78 (a refused flag) within 90 s."""
+    proc = start_daemon(config, log)
+    try:
+        assert proc.wait(90) == ExitCode.CONFIG, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_second_start_reuses_the_clean_verdict_without_a_child(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
@@ -75,12 +85,7 @@ def test_a_change_the_flags_do_not_show_reuses_the_verdict(
     assert [e["cached"] for e in checked(log)] == [False, True]
     config.write_text(config.read_text().replace(
         "[engine.downshift]", "[engine.memory]\nmax_num_seqs = 3\n\n[engine.downshift]"))
-    proc = start_daemon(config, log)
-    try:
-        assert proc.wait(90) == ExitCode.CONFIG, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    exits_with_config_error(config, log)
     assert [e["behaviour"] for e in events(folder) if e["what"] == "check_flags"] == [
         "ok", "bad_flag"]
     assert [e["cached"] for e in checked(log)] == [False, True, False]
@@ -116,12 +121,7 @@ def test_a_refused_flag_is_never_stored(tmp_path: Path, free_port: Callable[[], 
     config = daemon_config(tmp_path, python, free_port(), 'extra_args = ["--no-such-flag"]')
     log = tmp_path / "daemon.log"
     for _ in range(2):
-        proc = start_daemon(config, log)
-        try:
-            assert proc.wait(90) == ExitCode.CONFIG, log.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        exits_with_config_error(config, log)
     assert [e["behaviour"] for e in events(folder) if e["what"] == "check_flags"] == [
         "bad_flag", "bad_flag"]
     assert [e["cached"] for e in checked(log)] == [False, False]
