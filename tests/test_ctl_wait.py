@@ -29,10 +29,15 @@ def _capture(session: str) -> str:
                           text=True, timeout=10).stdout
 
 
-def _change_engine(config: Path, seconds: float) -> None:
+def _change_engine_flags(config: Path, max_num_seqs: int) -> None:
+    """A change the engine's command line shows (``--max-num-seqs``), so the reload runs
+    the flag check again: a stored verdict is keyed on the flags."""
     text = config.read_text()
-    old = next(line for line in text.splitlines() if line.startswith("stable_seconds"))
-    config.write_text(text.replace(old, f"stable_seconds = {seconds}"))
+    if "[engine.memory]" not in text:
+        text = text.replace("[engine.downshift]", "[engine.memory]\nmax_num_seqs = 0\n\n"
+                            "[engine.downshift]")
+    old = next(line for line in text.splitlines() if line.startswith("max_num_seqs"))
+    config.write_text(text.replace(old, f"max_num_seqs = {max_num_seqs}"))
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (scripts/setup.sh)")
@@ -48,7 +53,7 @@ def test_reload_wait_shows_progress_on_a_terminal_and_plain_lines_otherwise(
         wait_answering(sock, proc, log)
         wait_engine(sock, proc, log, "ready")
         # piped: progress lines on stderr, the reply alone on stdout
-        _change_engine(config, 0.6)
+        _change_engine_flags(config, 3)
         piped = subprocess.run([sys.executable, "-m", "chandrad.ctl.main", "--socket",
                                 str(sock), "reload", "--wait"], capture_output=True, text=True,
                                timeout=120)
@@ -62,7 +67,7 @@ def test_reload_wait_shows_progress_on_a_terminal_and_plain_lines_otherwise(
         wait_engine(sock, proc, log, "ready")
 
         # a terminal: the top view, live, until the reply
-        _change_engine(config, 0.7)
+        _change_engine_flags(config, 4)
         rc_file = tmp_path / "wait.rc"
         command = shlex.join([sys.executable, "-m", "chandrad.ctl.main", "--socket", str(sock),
                               "reload", "--wait"])

@@ -326,8 +326,9 @@ def test_reload_with_engine_change_keeps_the_watchdog_fed(
     try:
         pump(lambda: any(b"READY=1" in m for _, m in received), 60)
         wait_engine(sock, proc, log, "ready")
-        config.write_text(config.read_text().replace("stable_seconds = 0.5",
-                                                     "stable_seconds = 0.6"))
+        # a change of the engine's flags (--max-num-seqs), so the reload checks them again
+        config.write_text(config.read_text().replace(
+            "[engine.downshift]", "[engine.memory]\nmax_num_seqs = 3\n\n[engine.downshift]"))
         mark = len(received)
         proc.send_signal(signal.SIGHUP)
         pump(lambda: any(b"RELOADING=1" in m for _, m in received[mark:]), 10)
