@@ -306,7 +306,7 @@ def _render_pdf_page(
             )
         page = doc[index]
         if _check_pdf_images(path, page) > _BIG_PAGE_IMAGES_BYTES:
-            _release_memory(keep_store=False)  # room for this page's decoded images
+            _heavy_call()  # room for this page's decoded images
         rect = page.rect  # rotation and /UserUnit already applied by MuPDF
         min_side_pt = min(rect.width, rect.height)
         if min_side_pt <= 0:
@@ -485,7 +485,7 @@ def render_page(
     head = _sniff(path)
     if _is_pdf(head):
         return _render_pdf_page(path, index, min_side_px, max_pixels)
-    _release_memory(keep_store=False)  # MuPDF's fonts are no use to Pillow
+    _heavy_call()  # MuPDF's fonts are no use to Pillow
     return _render_image_page(path, index, min_side_px, max_pixels)
 
 
@@ -511,10 +511,22 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
-#: glibc mallopt(M_MMAP_THRESHOLD): fixed, so a page's large buffers are mapped and
-#: unmapped each time instead of the threshold growing and the heap keeping them.
+#: glibc mallopt parameters, set in a worker (:func:`_malloc_for`).
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 1 << 20
+#: A light call (a PDF page without big images, a post-processing) takes its buffers (the
+#: pixmap, the PNG, the rows inflated for a crop: ~30 MB a page) from the heap, which keeps
+#: them for the next call: no fresh memory for the kernel to fault in and zero on every
+#: call, ~10 ms of CPU per page (bench/README.md, "sixth pass").
+_MMAP_THRESHOLD_LIGHT = 32 << 20
+#: A heavy call (an image page, a PDF page whose images decode to more than
+#: _BIG_PAGE_IMAGES_BYTES) starts from a trimmed heap and maps every buffer over this
+#: size, so the memory goes back to the kernel as soon as it is freed.
+_MMAP_THRESHOLD_HEAVY = 1 << 20
+#: The heap keeps up to this much free memory at its top between calls ...
+_TRIM_THRESHOLD_BYTES = 64 << 20
+#: ... unless the worker holds more than this after a call: then it is trimmed.
+TRIM_ABOVE_RSS_BYTES = 140 << 20
 
 
 #: Modules PyMuPDF imports when installed, none of which rendering uses.
@@ -528,12 +540,13 @@ def _libc() -> Any:
 
 
 #: A worker keeps MuPDF's resource store (the fonts and images it decoded, up to 256 MB)
-#: between calls while its resident memory stays below this (~79 MB after its imports):
+#: between calls while its resident memory stays below this (~84 MB after its imports,
+#: plus the heap it keeps for the next page's buffers):
 #: the fonts of a kept PDF then serve its next page. Above it, before an image page and
 #: before a PDF page whose images decode to more than _BIG_PAGE_IMAGES_BYTES, the store is
 #: emptied, so a heavy page (~115 MB for a 2550x3300 RGB scan with a soft mask) starts
 #: from the imports alone and a worker's high-water mark stays within 200 MB.
-STORE_KEEP_RSS_BYTES = 112 << 20
+STORE_KEEP_RSS_BYTES = 140 << 20
 _BIG_PAGE_IMAGES_BYTES = 8 << 20
 
 
@@ -545,19 +558,53 @@ def _resident_bytes() -> int:
 def _release_memory(keep_store: bool = True) -> None:
     """After each call in a worker: empty MuPDF's resource store unless it is worth keeping
     (``keep_store`` and the worker below STORE_KEEP_RSS_BYTES) and hand freed heap back to
-    the kernel, so a worker's RSS stays near its imports (bench/README.md)."""
+    the kernel when the worker holds more than TRIM_ABOVE_RSS_BYTES (always when not
+    ``keep_store``), so a worker's RSS stays within its budget (bench/README.md)."""
     pymupdf = sys.modules.get("pymupdf")  # not imported (yet) here: no store to empty
     if pymupdf is not None and (not keep_store or _resident_bytes() > STORE_KEEP_RSS_BYTES):
         pymupdf.TOOLS.store_shrink(100)
+    if not keep_store or _resident_bytes() > TRIM_ABOVE_RSS_BYTES:
+        with contextlib.suppress(OSError, AttributeError):
+            _libc().malloc_trim(0)
+
+
+#: Whether this process is a render worker (set by :func:`_worker_init`): only then does
+#: a call change how glibc allocates.
+_is_worker = False
+#: Whether the call running in this worker is heavy (:func:`_heavy_call`).
+_heavy = False
+
+
+def _malloc_for(heavy: bool) -> None:
+    """Set glibc's mmap threshold for a light or a heavy call (the constants above)."""
+    global _heavy
+    if not _is_worker:
+        return
+    _heavy = heavy
     with contextlib.suppress(OSError, AttributeError):
-        _libc().malloc_trim(0)
+        libc = _libc()
+        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+        libc.mallopt(_M_MMAP_THRESHOLD,
+                     _MMAP_THRESHOLD_HEAVY if heavy else _MMAP_THRESHOLD_LIGHT)
+
+
+def _heavy_call() -> None:
+    """Before a page whose decoding takes far more memory than a text page's: the store
+    emptied, the heap trimmed and its large buffers mapped apart, so the page starts from
+    the imports alone and gives its memory back when done."""
+    _release_memory(keep_store=False)
+    _malloc_for(heavy=True)
 
 
 def _in_worker(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
     finally:
-        _release_memory()
+        if _heavy:
+            _malloc_for(heavy=False)
+            _release_memory(keep_store=False)
+        else:
+            _release_memory()
 
 
 def _worker_init(parent: int) -> None:
@@ -566,8 +613,9 @@ def _worker_init(parent: int) -> None:
     # for a crash and fail the page.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    with contextlib.suppress(OSError, AttributeError):
-        _libc().mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    global _is_worker
+    _is_worker = True
+    _malloc_for(heavy=False)
     if os.getppid() != parent:
         # The daemon died before the signal was armed (the spawn bootstrap can take
         # seconds): nothing will ever be asked of this worker, so leave now.
@@ -588,11 +636,12 @@ def _worker_init(parent: int) -> None:
 
 
 #: glibc tunable a render worker starts with: malloc asks the kernel for transparent huge
-#: pages (``madvise``) on the memory it maps. A page's buffers (pixmap, PNG, the inflated
-#: rows for a crop) are mapped and unmapped on every call (``_MMAP_THRESHOLD_BYTES``, for
-#: the RSS target), and each 4 KiB of them was a page fault: ~8,300 faults and ~20 ms of
-#: system time per corpus page, ~3,300 and ~12 ms with it; the high-water mark is the same
-#: (bench/README.md, "fourth pass"). glibc reads tunables only when a process starts.
+#: pages (``madvise``) on the memory it maps. A heavy page's large buffers are mapped and
+#: unmapped on every call (``_MMAP_THRESHOLD_HEAVY``, for the RSS target), as every
+#: page's were before the heap was kept (``_MMAP_THRESHOLD_LIGHT``); each 4 KiB of them
+#: was a page fault: ~8,300 faults and ~20 ms of system time per corpus page then, ~3,300
+#: and ~12 ms with it; the high-water mark is the same (bench/README.md, "fourth pass").
+#: glibc reads tunables only when a process starts.
 WORKER_GLIBC_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
