@@ -560,10 +560,11 @@ def _release_memory(keep_store: bool = True) -> None:
     (``keep_store`` and the worker below STORE_KEEP_RSS_BYTES) and hand freed heap back to
     the kernel when the worker holds more than TRIM_ABOVE_RSS_BYTES (always when not
     ``keep_store``), so a worker's RSS stays within its budget (bench/README.md)."""
+    resident = _resident_bytes() if keep_store else 0
     pymupdf = sys.modules.get("pymupdf")  # not imported (yet) here: no store to empty
-    if pymupdf is not None and (not keep_store or _resident_bytes() > STORE_KEEP_RSS_BYTES):
+    if pymupdf is not None and (not keep_store or resident > STORE_KEEP_RSS_BYTES):
         pymupdf.TOOLS.store_shrink(100)
-    if not keep_store or _resident_bytes() > TRIM_ABOVE_RSS_BYTES:
+    if not keep_store or resident > TRIM_ABOVE_RSS_BYTES:
         with contextlib.suppress(OSError, AttributeError):
             _libc().malloc_trim(0)
 

@@ -756,6 +756,11 @@ def _thp_off() -> bool:
         return True
 
 
+def _minor_faults(pid: int) -> int:
+    """The process's minor page faults so far (``minflt``, field 10 of /proc/PID/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 def _worker_faults(pool_env: str | None) -> int:
     """A fresh one-worker pool spawned with ``GLIBC_TUNABLES=pool_env`` in the daemon's
     environment renders and post-processes two of the heaviest pages: the worker's minor
@@ -768,14 +773,13 @@ def _worker_faults(pool_env: str | None) -> int:
         try:
             await pool.probe(CORPUS_DIR / "good" / HEAVY_PAGES[0], 1000)  # spawn, imports
             (pid,) = _worker_pids()
-            stat = Path(f"/proc/{pid}/stat")
-            before = int(stat.read_text().rsplit(")", 1)[1].split()[7])
+            before = _minor_faults(pid)
             for name in HEAVY_PAGES[:2]:
                 page = await pool.render_for_request(CORPUS_DIR / "good" / name, 0, None,
                                                      MAX_PIXELS)
                 await pool.postprocess(PLANTED_TEXT, "stop", page, include_images=True,
                                        include_headers_footers=False)
-            return int(stat.read_text().rsplit(")", 1)[1].split()[7]) - before
+            return _minor_faults(pid) - before
         finally:
             pool.close()
 
@@ -832,12 +836,11 @@ def test_text_pages_reuse_the_workers_heap_instead_of_fresh_memory() -> None:
             for index in range(3):  # spawn, imports, the heap grown to a page's size
                 await page(index)
             (pid,) = _worker_pids()
-            stat = Path(f"/proc/{pid}/stat")
-            before = int(stat.read_text().rsplit(")", 1)[1].split()[7])
+            before = _minor_faults(pid)
             pages = 12
             for index in range(3, 3 + pages):
                 await page(index)
-            return int(stat.read_text().rsplit(")", 1)[1].split()[7]) - before, pages
+            return _minor_faults(pid) - before, pages
         finally:
             pool.close()
 
