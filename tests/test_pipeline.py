@@ -393,7 +393,8 @@ def test_poison_page_ends_instead_of_retrying_forever(tmp_path: Path, standin: S
             assert poison.error is not None and "request failed" in poison.error
             # retries = 1: two charged requests after the free ones.
             assert standin.widths().count(1148) == free + 2
-            assert run.pipeline.idle()
+            # The job's state is stored before its task returns: idle follows, not at once.
+            await run.wait("the pipeline to be idle", run.pipeline.idle, timeout=10)
 
     run_async(body)
 
