@@ -391,6 +391,11 @@ class Pipeline:
             if job.abs_path in busy:
                 continue  # a superseded job still finishing on the same file
             busy.add(job.abs_path)
+            if job.state in (JobState.PENDING, JobState.HELD):
+                # Marked running in the same loop step as the decision, not when its task
+                # first runs: a SIGTERM that stops dispatch then finds every job it lets
+                # finish already started, and none stamped started after it.
+                self.store.set_job_state(job.id, JobState.RUNNING)
             task = asyncio.create_task(self.run_job(job))
             self._active[job.id] = task
             self._active_paths[job.id] = job.abs_path
@@ -577,8 +582,6 @@ class Pipeline:
                     path=exc.details.get("path"), reason=exc.message, retry_in_s=delay)
 
     async def _run(self, job: Job, watch: WatchConfig, started: float) -> None:
-        if job.state in (JobState.PENDING, JobState.HELD):
-            self.store.set_job_state(job.id, JobState.RUNNING)
         if not job.abs_path.exists() and await self._complete_moved(job, watch, started):
             return
         if not await self._same_content(job, watch):

@@ -261,6 +261,37 @@ async def tasks_started_over(seconds: float) -> int:
 # ----------------------------------------------------------------- issue 15 #2
 
 
+def test_a_job_is_running_in_the_store_from_the_step_that_dispatches_it(
+        tmp_path: Path, standin: StandinEngine) -> None:
+    """No job the dispatcher has taken is still ``pending`` in the store at any turn of the
+    event loop. A job marked running only when its task first ran could be stamped
+    started after a SIGTERM that came in between (a fresh-clone CI run: "jobs started
+    after SIGTERM" in test_sigterm_with_a_backlog_finishes_in_flight_work_only_and_exits)."""
+    w = folders(tmp_path, "w")
+    config = write_config(tmp_path, standin, [w])
+
+    async def body() -> None:
+        async with running(config) as run:
+            run.pipeline.starting_jobs = False
+            jobs = [accept(run.store, w, make_image(w.input / f"doc{i}.png", text=str(i)))
+                    for i in range(12)]
+            behind: list[int] = []
+            run.pipeline.starting_jobs = True
+            run.pipeline._wake.set()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                # Every turn of the loop: the jobs dispatched so far against the store.
+                pending = {j.id for j in run.store.list_jobs() if j.state is JobState.PENDING}
+                behind += sorted(pending & set(run.pipeline._active))
+                if not pending and not run.pipeline._active:
+                    break
+                await asyncio.sleep(0)
+            assert not behind, f"dispatched jobs still pending in the store: {behind}"
+            assert all(run.job(j.id).state is JobState.DONE for j in jobs)
+
+    run_async(body)
+
+
 def test_job_follows_its_watch_by_input_folder_not_position(tmp_path: Path,
                                                            standin: StandinEngine) -> None:
     """A restart whose config reorders the watches sends the job's outputs and input to
