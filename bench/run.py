@@ -11,7 +11,9 @@ test model (``tests/tiny_model.py``) and the documents in ``tests/corpus/good/``
    pre-rendered pages with exactly chandrad's request body;
 5. chandrad end to end (``engine.url`` = that engine): drop-to-first-request latency,
    throughput on all files dropped at once, daemon RSS and idle CPU;
-6. ceiling A again at the sweep's best concurrency (the ceiling is the mean of the two);
+6. ceiling A again at the sweep's best concurrency (the ceiling is the mean of the two),
+   and once more with chandrad's CPUs kept as busy as chandrad's run made them (render
+   work paced to that share: how much a busy core slows the engine on this machine);
 7. the ``chandra`` CLI (chandra-ocr 0.2.0, ``--method vllm``) on the same engine/files.
 
 Two shapes (``--shape``): ``all-cores`` (everything on every core, the small-box case) and
@@ -276,6 +278,52 @@ async def measure_engine_after(base: str, engine_sid: int, bodies: list[bytes],
                           max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
         return await _saturate(client, bodies, concurrency, engine_sid)
+
+
+async def measure_engine_loaded(base: str, engine_sid: int, bodies: list[bytes],
+                                concurrency: int, docs: list[Doc], ocr_cfg: OcrConfig,
+                                load_share: float) -> dict[str, Any]:
+    """Ceiling A once more, at the sweep's best concurrency, while chandrad's CPUs carry
+    about the load chandrad's run put on them: a render pool on those CPUs renders the
+    corpus's pages (thrown away), pausing after each page so that it is busy
+    ``load_share`` of the time (chandrad's CPU seconds per second in its run). A GPU
+    server's engine does not compute on chandrad's cores; this says how much of the
+    engine's speed beside chandrad on this machine is the cores' interference (a diagnostic,
+    ``ceiling.engine_loaded_pages_per_s``; the target stays on the ceiling)."""
+    share = min(max(load_share, 0.05), 0.95)
+    pool = RenderPool(len(os.sched_getaffinity(0)))
+    stop = asyncio.Event()
+
+    async def load() -> None:
+        pages = [(d.path, i) for d in docs for i in range(d.pages)]
+        while not stop.is_set():
+            for path, index in pages:
+                if stop.is_set():
+                    return
+                t0 = time.monotonic()
+                await pool.render_for_request(path, index, ocr_cfg.render_min_side,
+                                              ocr_cfg.max_pixels)
+                await asyncio.sleep((time.monotonic() - t0) * (1 / share - 1))
+
+    limits = httpx.Limits(max_connections=concurrency + 8,
+                          max_keepalive_connections=concurrency)
+    try:
+        await asyncio.gather(*(pool.probe(d.path, ocr_cfg.max_pages) for d in docs))
+        engine_pids = set(_proc.session_members(engine_sid))  # also children of this one
+        workers = [p for p in _proc.children(os.getpid()) if p not in engine_pids]
+        loader = asyncio.create_task(load())
+        await asyncio.sleep(2.0)  # the load under way before the clock starts
+        cpu0 = _proc.tree_cpu_seconds(workers)
+        async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+            one = await _saturate(client, bodies, concurrency, engine_sid)
+        one["load_share_target"] = round(share, 3)
+        one["load_share"] = round((_proc.tree_cpu_seconds(workers) - cpu0) / one["seconds"], 3)
+        stop.set()
+        await loader
+    finally:
+        stop.set()
+        pool.close()
+    return one
 
 
 # ---------------------------------------------------------------- the daemon
@@ -731,6 +779,7 @@ def summarize(res: dict[str, Any]) -> None:
             "bound_by": "engine" if engine <= render else "render",
             "engine_pages_per_s": engine, "render_pages_per_s": render,
             "engine_before_pages_per_s": before, "engine_after_pages_per_s": after,
+            "engine_loaded_pages_per_s": res.get("engine_loaded", {}).get("pages_per_s"),
             # On a box where render and engine share the cores, a page costs both.
             "shared_cores_pages_per_s": round(1 / (1 / engine + 1 / render), 3),
         }
@@ -743,6 +792,9 @@ def summarize(res: dict[str, Any]) -> None:
         # Against the sweep's best alone, as runs before the ceiling was measured twice.
         res["chandrad"]["ratio_to_sweep_best"] = round(
             e2e / min(before or engine, render), 3)
+        loaded = res["ceiling"]["engine_loaded_pages_per_s"]
+        if loaded:
+            res["chandrad"]["ratio_to_loaded_engine"] = round(e2e / min(loaded, render), 3)
         res["chandrad"]["ratio_to_shared_cores_bound"] = round(
             e2e / res["ceiling"]["shared_cores_pages_per_s"], 3)
         targets["ratio_to_ceiling"] = ratio
@@ -821,6 +873,10 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         f"{ceil.get('pages_per_s')} (bound by {ceil.get('bound_by')})")
     add("shared-cores bound 1/(1/E+1/R)", ceil.get("shared_cores_pages_per_s"))
     c = res.get("chandrad", {})
+    loaded = res.get("engine_loaded", {})
+    add("engine pages/s with chandrad's CPUs busy (share target / measured) | chandrad / it",
+        f"{loaded.get('pages_per_s')} ({loaded.get('load_share_target')} / "
+        f"{loaded.get('load_share')}) | {c.get('ratio_to_loaded_engine')}")
     add("chandrad end-to-end pages/s", c.get("pages_per_s"))
     add("chandrad / ceiling (target >= 0.9) | / sweep's best alone",
         f"{c.get('ratio_to_ceiling')} | {c.get('ratio_to_sweep_best')}")
@@ -974,6 +1030,15 @@ def main() -> int:
                 res["engine_after"] = asyncio.run(measure_engine_after(
                     base, engine.pid, bodies, res["engine"]["best_concurrency"]))
                 log(f"  {res['engine_after']['pages_per_s']} pages/s")
+                c = res["chandrad"]
+                if c.get("daemon_cpu_s_per_page") and c.get("pages_per_s"):
+                    log("ceiling A with chandrad's CPUs as busy as chandrad made them")
+                    phase(res, "engine_loaded")
+                    res["engine_loaded"] = asyncio.run(measure_engine_loaded(
+                        base, engine.pid, bodies, res["engine"]["best_concurrency"], docs,
+                        ocr_cfg, c["daemon_cpu_s_per_page"] * c["pages_per_s"]))
+                    log(f"  {res['engine_loaded']['pages_per_s']} pages/s, load share "
+                        f"{res['engine_loaded']['load_share']}")
             del bodies
 
             if "cli" not in args.skip:
