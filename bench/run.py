@@ -33,6 +33,7 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import json
 import os
@@ -97,12 +98,17 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+@functools.cache
+def _probe_data() -> bytes:
+    return b"".join(hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(65536))
+
+
 def host_probe_ms() -> float:
     """CPU milliseconds of one fixed piece of work (zlib over 2 MB, pure-Python loop) on
     this process's CPUs, best of three: how fast the host runs us at this moment. A KVM
     guest's vCPUs change speed by 15-25 % over minutes here, so each phase records it
     beside its figures (``host_probe_ms``; compare runs by it, not only by load)."""
-    data = b"".join(hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(65536))
+    data = _probe_data()
     best = float("inf")
     for _ in range(3):
         t0 = time.process_time()
@@ -122,7 +128,7 @@ def phase(res: dict[str, Any], name: str) -> None:
     mine = os.sched_getaffinity(0)
     probes: dict[str, float] = {}
     try:
-        for cpu in sorted(os.sched_getaffinity(0) | set(ENGINE_CPUS or [])):
+        for cpu in sorted(mine | set(ENGINE_CPUS or [])):
             os.sched_setaffinity(0, {cpu})
             probes[str(cpu)] = host_probe_ms()
     finally:
@@ -203,6 +209,13 @@ async def measure_render(docs: list[Doc], ocr_cfg: OcrConfig
             [p.png for p in pages])
 
 
+def _engine_client(base: str, concurrency: int) -> httpx.AsyncClient:
+    """An HTTP client to the engine with room for ``concurrency`` requests at once."""
+    limits = httpx.Limits(max_connections=concurrency + 8,
+                          max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(base_url=base, timeout=300, limits=limits)
+
+
 async def _saturate(client: httpx.AsyncClient, bodies: list[bytes], concurrency: int,
                     engine_sid: int) -> dict[str, Any]:
     next_index = iter(range(len(bodies)))
@@ -243,8 +256,7 @@ def request_bodies(pngs: list[bytes], max_tokens: int) -> list[bytes]:
 async def measure_engine(base: str, engine_sid: int, bodies: list[bytes],
                          sweep: list[int]) -> dict[str, Any]:
     """Ceiling A: pre-rendered pages, chandrad's exact request body, best of the sweep."""
-    limits = httpx.Limits(max_connections=max(sweep) + 8, max_keepalive_connections=max(sweep))
-    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+    async with _engine_client(base, max(sweep)) as client:
         # Warm-up, not counted.
         await _saturate(client, bodies[:MAX_NUM_SEQS], MAX_NUM_SEQS, engine_sid)
         runs = []
@@ -274,9 +286,7 @@ async def measure_engine_after(base: str, engine_sid: int, bodies: list[bytes],
     host's speed drifts by 15-25 % over minutes here, so the ceiling that chandrad's rate
     is divided by is the mean of this and the sweep's best, one measured before chandrad
     and one after (bench/README.md, "seventh pass")."""
-    limits = httpx.Limits(max_connections=concurrency + 8,
-                          max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+    async with _engine_client(base, concurrency) as client:
         return await _saturate(client, bodies, concurrency, engine_sid)
 
 
@@ -305,8 +315,6 @@ async def measure_engine_loaded(base: str, engine_sid: int, bodies: list[bytes],
                                               ocr_cfg.max_pixels)
                 await asyncio.sleep((time.monotonic() - t0) * (1 / share - 1))
 
-    limits = httpx.Limits(max_connections=concurrency + 8,
-                          max_keepalive_connections=concurrency)
     try:
         await asyncio.gather(*(pool.probe(d.path, ocr_cfg.max_pages) for d in docs))
         engine_pids = set(_proc.session_members(engine_sid))  # also children of this one
@@ -314,7 +322,7 @@ async def measure_engine_loaded(base: str, engine_sid: int, bodies: list[bytes],
         loader = asyncio.create_task(load())
         await asyncio.sleep(2.0)  # the load under way before the clock starts
         cpu0 = _proc.tree_cpu_seconds(workers)
-        async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+        async with _engine_client(base, concurrency) as client:
             one = await _saturate(client, bodies, concurrency, engine_sid)
         one["load_share_target"] = round(share, 3)
         one["load_share"] = round((_proc.tree_cpu_seconds(workers) - cpu0) / one["seconds"], 3)
@@ -790,8 +798,7 @@ def summarize(res: dict[str, Any]) -> None:
         ratio = round(e2e / res["ceiling"]["pages_per_s"], 3)
         res["chandrad"]["ratio_to_ceiling"] = ratio
         # Against the sweep's best alone, as runs before the ceiling was measured twice.
-        res["chandrad"]["ratio_to_sweep_best"] = round(
-            e2e / min(before or engine, render), 3)
+        res["chandrad"]["ratio_to_sweep_best"] = round(e2e / min(before, render), 3)
         loaded = res["ceiling"]["engine_loaded_pages_per_s"]
         if loaded:
             res["chandrad"]["ratio_to_loaded_engine"] = round(e2e / min(loaded, render), 3)
@@ -994,7 +1001,6 @@ def main() -> int:
         log(f"{len(docs)} files, {res['pages']} pages; building the tiny model")
         res["model_build_s"] = round(build_model(args.model_dir), 1)
 
-        res["loadavg"] = {}
         log("render rate")
         phase(res, "render")
         res["render"], pngs = asyncio.run(measure_render(docs, ocr_cfg))
