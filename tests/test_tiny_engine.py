@@ -7,8 +7,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from tiny_model import (
     PLANTED_ANSWER,
     PLANTED_TEXT,
     PLANTED_TOKENS,
+    build_cached,
     build_tiny_model,
 )
 from waiting import exited, wait_until
@@ -116,7 +119,27 @@ def test_build_is_idempotent_and_reproducible(tmp_path: Path, tiny_model_dir: Pa
     fresh = build_tiny_model(tmp_path / "fresh")
     for name in ("config.json", "tokenizer.json", "model.safetensors", "processor_config.json"):
         assert (fresh / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
-    assert not [p for p in tmp_path.iterdir() if p.name != "fresh"], "temp build dir left behind"
+    left = [p.name for p in tmp_path.iterdir() if p.name not in ("fresh", ".fresh.lock")]
+    assert not left, f"temp build dir left behind: {left}"
+
+
+def test_builds_asked_for_at_once_build_once(tmp_path: Path) -> None:
+    """Two builds of one model asked for at the same moment (two pytest workers) build it
+    once: the second waits for the first and takes its result."""
+    builds: list[int] = []
+
+    def build_into(tmp: Path) -> None:
+        builds.append(threading.get_ident())
+        time.sleep(0.5)  # long enough for the other caller to arrive mid-build
+        (tmp / "weights").write_text("w")
+
+    dest = tmp_path / "model"
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda _: build_cached(dest, "recipe-1", build_into), range(2)))
+    assert done == [dest, dest]
+    assert len(builds) == 1, f"built {len(builds)} times"
+    assert (dest / "weights").read_text() == "w"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.lock", "model"]
 
 
 def test_model_config_fits_the_cpu_engine(tiny_model_dir: Path) -> None:

@@ -20,6 +20,7 @@ Run as `python tests/tiny_model.py DEST` to build into DEST.
 # mypy: disable-error-code="no-untyped-call"
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
 import sys
@@ -253,11 +254,21 @@ def _is_current(dest: Path, fingerprint: str) -> bool:
 def build_cached(dest: Path, fingerprint: str, build_into: Callable[[Path], None]) -> Path:
     """Build with `build_into` into `dest` unless a completed build of `fingerprint` is already
     there (a build of another recipe is replaced); return `dest`. The build goes to a
-    temporary sibling and is renamed into place, so a crash never leaves a half model."""
+    temporary sibling and is renamed into place, so a crash never leaves a half model.
+    Builds of one `dest` take turns (a lock file beside it): pytest's workers all ask for
+    the model at once, and the second rename onto a finished build would fail."""
     dest = Path(dest)
     if _is_current(dest, fingerprint):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    with (dest.parent / f".{dest.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _build_locked(dest, fingerprint, build_into)
+
+
+def _build_locked(dest: Path, fingerprint: str, build_into: Callable[[Path], None]) -> Path:
+    if _is_current(dest, fingerprint):  # another process built it while this one waited
+        return dest
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         build_into(tmp)
@@ -266,8 +277,6 @@ def build_cached(dest: Path, fingerprint: str, build_into: Callable[[Path], None
         for file in tmp.iterdir():  # safetensors writes 0600; a service user must read it
             file.chmod(0o644)
         if dest.exists():
-            if _is_current(dest, fingerprint):  # another process finished first
-                return dest
             shutil.rmtree(dest)  # a partial build left by a crash, or a stale recipe
         tmp.rename(dest)
     finally:
