@@ -47,7 +47,7 @@ import glob
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,6 +208,7 @@ class _Backoff:
     failures: int
     reason: str
     file: str
+    input_root: Path | None  # the job's watch, by its input folder; None: job not found
 
 
 class Pipeline:
@@ -426,7 +427,8 @@ class Pipeline:
         reason = exc.message if isinstance(exc, ChandradError) else f"{type(exc).__name__}: {exc}"
         job = self.store.get(job_id)
         self._backoff[job_id] = _Backoff(time.monotonic() + delay, failures, names.text(reason),
-                                         names.display(job.abs_path) if job else "")
+                                         names.display(job.abs_path) if job else "",
+                                         job.input_root if job else None)
         # Our own errors carry their reason; anything else is a bug: keep its traceback.
         log.error("job_stuck", job=job_id, failures=failures, retry_in_s=delay, error=reason,
                   exc_info=None if isinstance(exc, ChandradError) else exc)
@@ -436,7 +438,9 @@ class Pipeline:
         watch is no longer configured (``watch_removed``), they are backing off after an
         error that left them unfinished (``backoff``), or their outputs cannot be written
         (``output_unwritable``)."""
-        count, orphans = self.store.active_outside(list(self._watches_by_root()))
+        roots = self._watches_by_root()
+        count, orphans = self.store.active_outside(list(roots))
+        backoff = self._backing_off(roots)
         now = time.monotonic()
         jobs: list[HeldJob] = [{
             "id": j.id, "file": names.display(j.abs_path), "reason": "watch_removed",
@@ -444,23 +448,30 @@ class Pipeline:
                        "back in the config and reload, or cancel the job"} for j in orphans]
         jobs += [{"id": job_id, "file": b.file, "reason": "backoff", "message": b.reason,
                   "failures": b.failures, "retry_in_s": round(max(0.0, b.until - now), 1)}
-                 for job_id, b in sorted(self._backoff.items())]
+                 for job_id, b in sorted(backoff.items())]
         held = self._held_waiting()
         jobs += [{"id": j.id, "file": names.display(j.abs_path), "reason": j.error_code,
                   "message": j.error_message,
                   "retry_in_s": round(max(0.0, self._held_retry.get(j.id, (now, 0.0))[0]
                                           - now), 1)} for j in held]
-        return {"count": count + len(self._backoff) + len(held), "jobs": jobs}
+        return {"count": count + len(backoff) + len(held), "jobs": jobs}
 
     def held_counts(self) -> dict[str, int]:
         """How many jobs :meth:`held` lists, by reason (those with none left out), without
         listing them: for systemd's ``STATUS=``, built at every turn of the main loop."""
-        removed, _ = self.store.active_outside(list(self._watches_by_root()), limit=0)
-        out = {"watch_removed": removed, "backoff": len(self._backoff)}
+        roots = self._watches_by_root()
+        removed, _ = self.store.active_outside(list(roots), limit=0)
+        out = {"watch_removed": removed, "backoff": len(self._backing_off(roots))}
         for j in self._held_waiting():
             reason = j.error_code or JobState.HELD.value
             out[reason] = out.get(reason, 0) + 1
         return {reason: n for reason, n in out.items() if n}
+
+    def _backing_off(self, roots: Mapping[Path, WatchConfig]) -> dict[int, _Backoff]:
+        """Jobs backing off whose watch is configured; one whose watch was removed is
+        counted as ``watch_removed`` instead (once, not under both reasons)."""
+        return {i: b for i, b in self._backoff.items()
+                if b.input_root is None or b.input_root in roots}
 
     def _held_waiting(self) -> list[Job]:
         """Jobs in the ``held`` state waiting for their retry (not being retried now);

@@ -396,6 +396,35 @@ def test_job_that_cannot_be_failed_backs_off_and_stays_visible(tmp_path: Path,
     run_async(body)
 
 
+def test_job_backing_off_whose_watch_is_removed_is_held_once(tmp_path: Path,
+                                                             standin: StandinEngine) -> None:
+    """A job backing off when a reload removes its watch is held for one reason,
+    ``watch_removed``, not also counted under ``backoff``; with the watch back it is
+    listed as backing off again."""
+    w, a = folders(tmp_path, "w"), folders(tmp_path, "a")
+    both = write_config(tmp_path, standin, [w, a])
+    only_a = write_config(tmp_path, standin, [a])
+    (w.input / "empty.pdf").write_bytes(b"")
+    w.failed.rmdir()
+    w.failed.write_text("not a folder")  # the job cannot be failed: it backs off
+
+    async def body() -> None:
+        async with running(both) as run:
+            job = accept(run.store, w, w.input / "empty.pdf")
+            await run.wait("the back-off", lambda: run.pipeline.held_counts() == {"backoff": 1})
+            run.pipeline.config = only_a  # what a reload does
+            held = run.pipeline.held()
+            assert held["count"] == 1, held
+            assert [(j["id"], j["reason"]) for j in held["jobs"]] == [(job.id, "watch_removed")]
+            assert run.pipeline.held_counts() == {"watch_removed": 1}
+            run.pipeline.config = both
+            assert [(j["id"], j["reason"]) for j in run.pipeline.held()["jobs"]] == [
+                (job.id, "backoff")]
+            assert run.pipeline.held_counts() == {"backoff": 1}
+
+    run_async(body)
+
+
 # ----------------------------------------------------------------- issue 15 #4
 
 
