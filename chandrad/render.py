@@ -533,7 +533,9 @@ TRIM_ABOVE_RSS_BYTES = 140 << 20
 _PYMUPDF_EXTRAS = ("pymupdf.layout", "pymupdf4llm")
 
 
+@functools.cache
 def _libc() -> Any:
+    """glibc, loaded once per process (its ``mallopt``/``malloc_trim`` run after every call)."""
     import ctypes
 
     return ctypes.CDLL(None, use_errno=True)
