@@ -449,7 +449,7 @@ class Pipeline:
         jobs += [{"id": job_id, "file": b.file, "reason": "backoff", "message": b.reason,
                   "failures": b.failures, "retry_in_s": round(max(0.0, b.until - now), 1)}
                  for job_id, b in sorted(backoff.items())]
-        held = self._held_waiting()
+        held = self._held_waiting(roots)
         jobs += [{"id": j.id, "file": names.display(j.abs_path), "reason": j.error_code,
                   "message": j.error_message,
                   "retry_in_s": round(max(0.0, self._held_retry.get(j.id, (now, 0.0))[0]
@@ -462,7 +462,7 @@ class Pipeline:
         roots = self._watches_by_root()
         removed, _ = self.store.active_outside(list(roots), limit=0)
         out = {"watch_removed": removed, "backoff": len(self._backing_off(roots))}
-        for j in self._held_waiting():
+        for j in self._held_waiting(roots):
             reason = j.error_code or JobState.HELD.value
             out[reason] = out.get(reason, 0) + 1
         return {reason: n for reason, n in out.items() if n}
@@ -473,13 +473,13 @@ class Pipeline:
         return {i: b for i, b in self._backoff.items()
                 if b.input_root is None or b.input_root in roots}
 
-    def _held_waiting(self) -> list[Job]:
+    def _held_waiting(self, roots: Mapping[Path, WatchConfig]) -> list[Job]:
         """Jobs in the ``held`` state waiting for their retry (not being retried now);
         one whose watch was removed is counted as ``watch_removed`` instead."""
         if not self.store.counts().get(JobState.HELD.value):
             return []
         return [j for j in self._held_jobs()
-                if j.id not in self._active and self._watch_for(j) is not None]
+                if j.id not in self._active and j.input_root in roots]
 
     @property
     def active_jobs(self) -> int:
