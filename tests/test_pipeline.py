@@ -841,8 +841,10 @@ def test_a_pause_sends_no_page_that_was_waiting_for_a_request_slot(
             pipeline = run.pipeline
             job = accept(run.store, watch, pdf)
             pipeline._wake.set()
+            # The pipeline counts a request before the engine has it: wait for both.
             await run.wait("the limit at the engine and a rendered page waiting",
                            lambda: pipeline.requests_in_flight == limit
+                           and len(standin.requests()) == limit
                            and pipeline.pages_waiting >= 1, timeout=120)
             pipeline.dispatching.clear()  # what the daemon's pause does
             sent_at_pause = len(standin.requests())
