@@ -493,9 +493,10 @@ def test_engine_killed_behind_the_router_loses_no_page(
         before = {e.core: answered(e) for e in engines}
         killed.kill()
         t_kill = time.monotonic()
-        print(f"killed the engine on core {killed.core} at "
-              f"{sum(j['pages_done'] for j in daemon.jobs())}/{total} pages done; "
-              f"answered so far per core {before}")
+        done_at_kill = sum(j["pages_done"] for j in daemon.jobs())
+        print(f"killed the engine on core {killed.core} at {done_at_kill}/{total} pages "
+              f"done; answered so far per core {before}")
+        assert done_at_kill < total, "the kill came after the last page"
         jobs = daemon.wait_jobs_final(set(names), 900)
         print(f"all {total} pages finished {time.monotonic() - t_kill:.0f}s after the kill")
         for name, pages in names.items():
