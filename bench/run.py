@@ -347,7 +347,9 @@ class DaemonRun:
 
     @classmethod
     def prepare(cls, root: Path, engine_url: str, model: Path, max_tokens: int,
-                settle: float) -> DaemonRun:
+                settle: float, max_in_flight: int = 0) -> DaemonRun:
+        """A state directory, inbox and config; ``max_in_flight`` 0 leaves ``ocr.
+        max_in_flight`` at its default (the engine's capacity)."""
         root.mkdir(parents=True)
         run = cls(root=root, config=root / "chandrad.toml", socket=root / "control.sock",
                   inbox=root / "inbox", db=root / "state" / "chandrad.sqlite3",
@@ -368,6 +370,7 @@ settle_seconds = {settle}
 [ocr]
 max_output_tokens = {max_tokens}
 render_workers = {len(os.sched_getaffinity(0))}
+{f"max_in_flight = {max_in_flight}" if max_in_flight else ""}
 
 [engine]
 model = "{model}"
