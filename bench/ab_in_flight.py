@@ -9,7 +9,9 @@ Each chandrad arm is a fresh daemon (own state dir): a one-page file first (spaw
 render pool), then every corpus file dropped at once (``run.measure_e2e``, no idle window).
 Optional arms: ``--sampled``, the direct client with ``bench/inflight.py``'s sampler
 reading ``/load`` and ``/metrics`` every 0.25 s (as it does during chandrad's arm);
-``--client``, the direct client's bodies sent by chandrad's own ``EngineClient``. Each arm
+``--client``, the direct client's bodies sent by chandrad's own ``EngineClient``;
+``--spin 1.0,0.6``, the direct client with a loop on chandrad's CPUs busy that share of
+every 5 ms. Each arm
 records the engine's request and token counters over it (``engine_counters``).
 
 Usage: ``.venv/bin/python bench/ab_in_flight.py --limits 0,64 --rounds 3 --out F.json``.
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +40,17 @@ import run as bench
 from chandrad.config import OcrConfig
 from chandrad.engine.client import EngineClient
 from chandrad.interfaces import EncodedJson
+
+#: A loop busy ``duty`` of every ``period`` seconds, sleeping the rest.
+SPIN = """import time
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < {duty} * {period}:
+        pass
+    if {duty} < 1:
+        time.sleep((1 - {duty}) * {period})
+"""
+SPIN_PERIOD = 0.005
 
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
             "vllm:request_success_total", "http_requests_total")
@@ -113,6 +127,9 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limits", default="0,64", help="ocr.max_in_flight values; 0 = default")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--spin", type=lambda text: [float(x) for x in text.split(",")],
+                        default=[], help="also the direct client with a loop on chandrad's "
+                        "CPUs busy this share of each 5 ms (e.g. 1.0,0.6)")
     parser.add_argument("--client", action="store_true",
                         help="also the direct client's pages sent by chandrad's EngineClient")
     parser.add_argument("--sampled", action="store_true",
@@ -131,7 +148,8 @@ def main() -> int:
     os.sched_setaffinity(0, bench._cpus(args.chandrad_cpus))
     limits = [int(x) for x in args.limits.split(",")]
     arms: list[str | int] = [*limits, "direct", *(["sampled"] if args.sampled else []),
-                             *(["client"] if args.client else [])]
+                             *(["client"] if args.client else []),
+                             *(f"spin{duty}" for duty in args.spin)]
     docs = bench.select_docs(False)
     ocr_cfg = OcrConfig(max_output_tokens=args.max_output_tokens)
     bench.build_model(args.model_dir)
@@ -157,6 +175,18 @@ def main() -> int:
                         one = asyncio.run(bench.measure_engine_after(
                             base, engine.pid, bodies, args.max_num_seqs))
                         one["arm"] = f"direct client at {args.max_num_seqs}"
+                    elif isinstance(arm, str) and arm.startswith("spin"):
+                        duty = float(arm[4:])
+                        spinner = subprocess.Popen(  # inherits chandrad's CPUs
+                            [sys.executable, "-c", SPIN.format(duty=duty, period=SPIN_PERIOD)])
+                        try:
+                            one = asyncio.run(bench.measure_engine_after(
+                                base, engine.pid, bodies, args.max_num_seqs))
+                        finally:
+                            spinner.kill()
+                            spinner.wait()
+                        one["arm"] = (f"direct client at {args.max_num_seqs}, chandrad's "
+                                      f"CPUs kept {duty:.0%} busy")
                     elif arm == "client":
                         one = asyncio.run(client_arm(base, engine.pid, bodies,
                                                      args.max_num_seqs))
