@@ -559,7 +559,10 @@ class Pipeline:
         """
         started = time.monotonic()
         watch = self._watch_for(job)
-        if watch is None:  # its watch went away between dispatch and now: held
+        if watch is None:
+            # A reload removed its watch between dispatch and now: back to pending, as
+            # every job of a removed watch is (listed as held, ``watch_removed``).
+            self.store.set_job_state(job.id, JobState.PENDING)
             return
         try:
             await self._run(job, watch, started)

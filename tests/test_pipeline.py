@@ -357,6 +357,32 @@ def test_job_whose_watch_was_removed_is_held_visibly(tmp_path: Path,
         store.close()
 
 
+def test_job_dispatched_just_before_its_watch_is_removed_goes_back_to_pending(
+        tmp_path: Path, standin: StandinEngine) -> None:
+    """A reload that removes a watch in the loop step after the dispatcher took one of its
+    jobs (marked ``running``, its task not yet run): the job goes back to ``pending``, as
+    every job of a removed watch is, instead of staying ``running`` with nothing running it."""
+    a, c = folders(tmp_path, "a"), folders(tmp_path, "c")
+    with_c = write_config(tmp_path, standin, [a, c])
+    without_c = write_config(tmp_path, standin, [a])
+
+    async def body() -> None:
+        async with running(with_c) as run:
+            run.pipeline.starting_jobs = False
+            job = accept(run.store, c, make_image(c.input / "doc_c.png"), watch_index=1)
+            run.pipeline.starting_jobs = True
+            run.pipeline._start_jobs()  # the dispatcher's step ...
+            assert run.job(job.id).state is JobState.RUNNING
+            run.pipeline.config = without_c  # ... then the reload's, as daemon/reload.py
+            await run.wait("the job's task to end", lambda: run.pipeline.idle())
+            assert run.job(job.id).state is JobState.PENDING
+            assert [(j["id"], j["reason"]) for j in run.pipeline.held()["jobs"]] == [
+                (job.id, "watch_removed")]
+            assert (c.input / "doc_c.png").is_file()
+
+    run_async(body)
+
+
 # ----------------------------------------------------------------- issue 15 #3
 
 
