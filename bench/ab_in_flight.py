@@ -51,6 +51,8 @@ while True:
         time.sleep((1 - {duty}) * {period})
 """
 SPIN_PERIOD = 0.005
+#: Environment variables for chandrad's arms only (``--daemon-env KEY=VALUE``).
+DAEMON_ENV: dict[str, str] = {}
 
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
             "vllm:request_success_total", "http_requests_total")
@@ -101,7 +103,16 @@ async def client_arm(base: str, engine_sid: int, bodies: list[bytes],
 def chandrad_arm(root: Path, base: str, engine_sid: int, model: Path, limit: int,
                  docs: list[bench.Doc], max_tokens: int) -> dict[str, Any]:
     daemon = bench.DaemonRun.prepare(root, base, model, max_tokens, 1.0, max_in_flight=limit)
-    daemon.start()
+    saved = {key: os.environ.get(key) for key in DAEMON_ENV}
+    os.environ.update(DAEMON_ENV)  # the daemon's environment only (and its workers')
+    try:
+        daemon.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
         daemon.wait_status(lambda s: s["engine"]["state"] == "ready", timeout=120)
         src = bench.corpus_dir() / "good" / bench.LATENCY_FILE
@@ -117,6 +128,8 @@ def chandrad_arm(root: Path, base: str, engine_sid: int, model: Path, limit: int
             "engine_cpu_s_per_page": e2e["engine_cpu_s_per_page"],
             "daemon_cpu_s_per_page": e2e["daemon_cpu_s_per_page"],
             "drop_to_first_request_s": e2e["drop_to_first_request_s"],
+            "rss_peak_mb": e2e["rss_peak_mb"], "rss_mb_by_tenth": e2e["rss_mb_by_tenth"],
+            "completions": e2e["completions"],
             "http_mean": flight.get("http_mean"), "http_max": flight.get("http_max"),
             "scheduler_mean": flight.get("scheduler_mean"),
             "scheduler_max": flight.get("scheduler_max")}
@@ -134,6 +147,10 @@ def main() -> int:
                         help="also the direct client's pages sent by chandrad's EngineClient")
     parser.add_argument("--sampled", action="store_true",
                         help="also the direct client with bench/inflight.py's sampler on")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="every arm gets the corpus this many times over (a bigger burst)")
+    parser.add_argument("--daemon-env", action="append", default=[],
+                        help="KEY=VALUE in chandrad's environment (its arms only)")
     parser.add_argument("--engine-cpus", default="1")
     parser.add_argument("--chandrad-cpus", default="0")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -144,13 +161,14 @@ def main() -> int:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench.MAX_NUM_SEQS = args.max_num_seqs
+    DAEMON_ENV.update(item.split("=", 1) for item in args.daemon_env)
     bench.ENGINE_CPUS = bench._cpus(args.engine_cpus)
     os.sched_setaffinity(0, bench._cpus(args.chandrad_cpus))
     limits = [int(x) for x in args.limits.split(",")]
     arms: list[str | int] = [*limits, "direct", *(["sampled"] if args.sampled else []),
                              *(["client"] if args.client else []),
                              *(f"spin{duty}" for duty in args.spin)]
-    docs = bench.select_docs(False)
+    docs = bench.select_docs(False) * args.copies
     ocr_cfg = OcrConfig(max_output_tokens=args.max_output_tokens)
     bench.build_model(args.model_dir)
     res: dict[str, Any] = {"settings": vars(args) | {"model_dir": str(args.model_dir),
@@ -158,8 +176,8 @@ def main() -> int:
                            "pages": sum(d.pages for d in docs), "runs": []}
     with tempfile.TemporaryDirectory(prefix="chandrad-ab-") as tmp:
         root = Path(tmp)
-        _, pngs = asyncio.run(bench.measure_render(docs, ocr_cfg))
-        bodies = bench.request_bodies(pngs, args.max_output_tokens)
+        _, pngs = asyncio.run(bench.measure_render(docs[:len(docs) // args.copies], ocr_cfg))
+        bodies = bench.request_bodies(pngs, args.max_output_tokens) * args.copies
         del pngs
         with bench.engine_session(args.model_dir, root) as (base, engine):
             bench.wait_engine(engine, base, timeout=480)
@@ -207,7 +225,9 @@ def main() -> int:
                     one["wall_s"] = round(time.monotonic() - t0, 1)
                     res["runs"].append(one)
                     bench.log(f"round {rnd} {one['arm']}: {one['pages_per_s']} pages/s, "
-                              f"engine {one['engine_cpu_s_per_page']} CPU s/page")
+                              f"engine {one['engine_cpu_s_per_page']} CPU s/page, "
+                              f"completions {one.get('completions')}, daemon RSS "
+                              f"{one.get('rss_peak_mb')} {one.get('rss_mb_by_tenth')}")
     by_arm: dict[str, list[dict[str, Any]]] = {}
     for one in res["runs"]:
         by_arm.setdefault(one["arm"], []).append(one)

@@ -140,6 +140,27 @@ def rate(pages: float, seconds: float) -> float:
     return round(pages / seconds, 3) if seconds > 0 else 0.0
 
 
+def _max_by_tenth(samples: list[float]) -> list[float]:
+    """The largest sample in each tenth of ``samples`` (fewer than 10: each sample)."""
+    n = len(samples)
+    chunks = [samples[n * k // 10:n * (k + 1) // 10] for k in range(10)]
+    return [max(chunk) for chunk in chunks if chunk]
+
+
+def completion_profile(done_s: list[float]) -> dict[str, float]:
+    """When pages came back, in seconds from the start of the run: the first, the rate
+    between the 10th and the 90th percentile of completions (the engine's steady state,
+    start-up and drain left out) and the last 10 %'s duration (the drain)."""
+    times = sorted(done_s)
+    if len(times) < 10:
+        return {}
+    lo, hi = times[len(times) // 10], times[(len(times) * 9) // 10]
+    return {"first_s": round(times[0], 3),
+            "p10_s": round(lo, 3), "p90_s": round(hi, 3), "last_s": round(times[-1], 3),
+            "steady_pages_per_s": rate((len(times) * 9) // 10 - len(times) // 10, hi - lo),
+            "drain_s": round(times[-1] - hi, 3)}
+
+
 # ---------------------------------------------------------------- the engine
 def build_model(dest: Path) -> float:
     """Build the tiny model (a no-op when built); in a child so torch stays out of here."""
@@ -220,12 +241,14 @@ async def _saturate(client: httpx.AsyncClient, bodies: list[bytes], concurrency:
                     engine_sid: int) -> dict[str, Any]:
     next_index = iter(range(len(bodies)))
     errors: list[str] = []
+    done_at: list[float] = []
 
     async def worker() -> None:
         for i in next_index:
             try:
                 reply = await client.post("/v1/chat/completions", content=bodies[i],
                                           headers={"content-type": "application/json"})
+                done_at.append(time.perf_counter())
                 finish = reply.json()["choices"][0]["finish_reason"] if reply.is_success else ""
                 if not reply.is_success or finish != "stop":
                     errors.append(f"{reply.status_code} {finish} {reply.text[:120]}")
@@ -242,7 +265,8 @@ async def _saturate(client: httpx.AsyncClient, bodies: list[bytes], concurrency:
             "pages_per_s": rate(len(bodies), seconds), "errors": len(errors),
             "first_error": errors[0] if errors else None,
             "engine_cpu_s_per_page": round(engine_cpu / len(bodies), 3),
-            "client_cpu_s_per_page": round(client_cpu / len(bodies), 3)}
+            "client_cpu_s_per_page": round(client_cpu / len(bodies), 3),
+            "completions": completion_profile([t - t0 for t in done_at])}
 
 
 def request_bodies(pngs: list[bytes], max_tokens: int) -> list[bytes]:
@@ -491,12 +515,19 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     (``engine_in_flight_max`` / ``_mean``) and chandrad's ``status`` (requests in flight,
     rendered pages waiting), in ``in_flight``, time-weighted.
     """
-    names = [d.path.name for d in docs]
+    # A document listed more than once (a bigger burst of the same pages) is dropped under
+    # a name per copy.
+    seen: dict[str, int] = {}
+    names = []
+    for d in docs:
+        seen[d.path.name] = copy = seen.get(d.path.name, 0) + 1
+        names.append(d.path.name if copy == 1 else f"copy{copy}-{d.path.name}")
     engine0, daemon0 = _proc.session_cpu_seconds(engine_sid), _proc.session_cpu_seconds(run.pid)
     by_pid0 = _proc.cpu_by_pid(_proc.session_members(run.pid))
     t0 = drop_files([d.path for d in docs], run.inbox, names)
     deadline = time.monotonic() + timeout
     peak_children = 0.0
+    daemon_rss: list[float] = []  # VmRSS at each poll, MB
     finished = 0
     worker_hwm: dict[int, float] = {}
     roles: dict[int, str] = {}
@@ -510,6 +541,7 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
             finished = rows[0][0] if rows else 0
             workers = _proc.children(run.pid)
             kids = sum(rss_mb(p) for p in workers)
+            daemon_rss.append(rss_mb(run.pid))
             peak_children = max(peak_children, kids)
             for pid in workers:
                 worker_hwm[pid] = max(worker_hwm.get(pid, 0.0), rss_mb(pid, "VmHWM"))
@@ -535,6 +567,9 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     busy, first_sent = run.query(
         "SELECT sum(p.finished_at - p.started_at), min(p.started_at) FROM pages p "
         "JOIN jobs j ON j.id = p.job_id WHERE j.id > ? AND p.state = 'done'", (after_job,))[0]
+    page_done_s = [row[0] - t0 for row in run.query(
+        "SELECT p.finished_at FROM pages p JOIN jobs j ON j.id = p.job_id "
+        "WHERE j.id > ? AND p.state = 'done'", (after_job,))]
     result: dict[str, Any] = {
         "files": len(docs), "jobs_finished": finished, "job_states": states,
         "pages": int(pages_row[0] or 0), "pages_done": pages_done,
@@ -543,11 +578,15 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
         "complete": finished >= len(docs),
         "mean_pages_in_flight": round((busy or 0.0) / seconds, 2) if seconds > 0 else None,
         "drop_to_first_request_s": round(first_sent - t0, 3) if first_sent else None,
+        "completions": completion_profile(page_done_s),
         "engine_cpu_s_per_page": round(engine_cpu / max(1, pages_done), 3),
         "daemon_cpu_s_per_page": round(daemon_cpu / max(1, pages_done), 3),
         "cpu_split": _cpu_split(run.pid, by_pid0, by_pid1, roles, pages_done),
         "render_worker_env": _worker_env(run.pid, roles, tunables),
         "rss_peak_mb": rss_mb(run.pid, "VmHWM"),
+        # The daemon's RSS at each tenth of the run (polls every 0.25 s): growth with
+        # the length of the burst shows here, a peak at its start does not.
+        "rss_mb_by_tenth": _max_by_tenth(daemon_rss),
         "render_workers_rss_peak_mb": round(peak_children, 1),
         "render_worker_rss_hwm_mb": sorted(worker_hwm.values(), reverse=True),
         "in_flight": {**inflight.summary(sampler.samples, MAX_NUM_SEQS, sampler.every),
@@ -861,6 +900,10 @@ def markdown(res: dict[str, Any], argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -871,7 +914,9 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     def add(label: str, value: Any, unit: str = "") -> None:
         rows.append((label, f"{value}{unit}" if value is not None else "n/a"))
 
-    add("pages (files)", f"{res['pages']} ({res['files']})")
+    add("pages (files)", f"{res['pages']} ({res['files']})"
+        + (f", x{res['copies']} for chandrad and the direct client"
+           if res.get("copies", 1) > 1 else ""))
     add("render pages/s (all workers, no engine)", res["render"]["pages_per_s"])
     eng = res.get("engine", {})
     add("engine pages/s (direct client, best of sweep)",
@@ -891,6 +936,13 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     add("chandrad / ceiling (target >= 0.9) | / sweep's best alone",
         f"{c.get('ratio_to_ceiling')} | {c.get('ratio_to_sweep_best')}")
     add("chandrad / shared-cores bound", c.get("ratio_to_shared_cores_bound"))
+    after = res.get("engine_after", {}).get("completions", {})
+    mine = c.get("completions", {})
+    add("pages/s between the 10th and 90th percentile of completions: chandrad | direct "
+        "after | ratio", f"{mine.get('steady_pages_per_s')} | {after.get('steady_pages_per_s')}"
+        f" | {_ratio(mine.get('steady_pages_per_s'), after.get('steady_pages_per_s'))}")
+    add("first 10 % of pages done at: chandrad | direct after (s)",
+        f"{mine.get('p10_s')} | {after.get('p10_s')}")
     cli = res.get("cli", {})
     add("chandra CLI pages/s", f"{cli.get('pages_per_s')} ({cli.get('pages')} pages)")
     add("chandrad / CLI (target >= 2.5)", cli.get("chandrad_multiple"))
@@ -968,6 +1020,10 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=1.0,
                         help="watch.settle_seconds for the daemon runs")
     parser.add_argument("--backlog", type=int, default=10_000)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="chandrad and the direct client get the corpus this many times "
+                        "over (a burst N times as long: their fixed start weighs 1/N); the "
+                        "render rate and the chandra CLI stay on one copy (rates)")
     parser.add_argument("--skip", action="append", default=[],
                         choices=("backlog", "cli", "chandrad"), help="leave a part out")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
@@ -991,7 +1047,7 @@ def main() -> int:
     res: dict[str, Any] = {
         "v": 1, "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "quick": args.quick, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
-        "files": len(docs), "pages": sum(d.pages for d in docs),
+        "files": len(docs), "pages": sum(d.pages for d in docs), "copies": args.copies,
         "settings": {"max_output_tokens": args.max_output_tokens, "settle_seconds":
                      args.settle, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
                      "engine_argv": engine_argv(args.model_dir, 0)[1:],
@@ -1026,14 +1082,14 @@ def main() -> int:
             seqs = MAX_NUM_SEQS
             sweep = [seqs, 2 * seqs] if args.quick else [seqs // 2, seqs, 2 * seqs]
             phase(res, "engine")
-            bodies = request_bodies(pngs, args.max_output_tokens)
+            bodies = request_bodies(pngs, args.max_output_tokens) * args.copies
             del pngs
             res["engine"] = asyncio.run(measure_engine(base, engine.pid, bodies, sweep))
 
             if "chandrad" not in args.skip:
                 phase(res, "chandrad")
                 res["latency"], res["chandrad"] = run_chandrad(
-                    root / "daemon", base, engine.pid, args, docs)
+                    root / "daemon", base, engine.pid, args, docs * args.copies)
                 log("ceiling A again, at the best concurrency")
                 phase(res, "engine_after")
                 res["engine_after"] = asyncio.run(measure_engine_after(
