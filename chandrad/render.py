@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 # PyMuPDF (~125 MB resident) and chandra's util/output (~30 MB) are imported inside the
 # functions that run in the worker processes, never in the daemon itself.
 
-from chandrad import ocr, png
+from chandrad import malloc, ocr, png
 from chandrad.errors import (
     DecompressionBomb,
     EmptyInput,
@@ -511,9 +511,6 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
-#: glibc mallopt parameters, set in a worker (:func:`_malloc_for`).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
 #: A light call (a PDF page without big images, a post-processing) takes its buffers (the
 #: pixmap, the PNG, the rows inflated for a crop: ~30 MB a page) from the heap, which keeps
 #: them for the next call: no fresh memory for the kernel to fault in and zero on every
@@ -531,14 +528,6 @@ TRIM_ABOVE_RSS_BYTES = 140 << 20
 
 #: Modules PyMuPDF imports when installed, none of which rendering uses.
 _PYMUPDF_EXTRAS = ("pymupdf.layout", "pymupdf4llm")
-
-
-@functools.cache
-def _libc() -> Any:
-    """glibc, loaded once per process (its ``mallopt``/``malloc_trim`` run after every call)."""
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
 
 
 #: A worker keeps MuPDF's resource store (the fonts and images it decoded, up to 256 MB)
@@ -567,8 +556,7 @@ def _release_memory(keep_store: bool = True) -> None:
     if pymupdf is not None and (not keep_store or resident > STORE_KEEP_RSS_BYTES):
         pymupdf.TOOLS.store_shrink(100)
     if not keep_store or resident > TRIM_ABOVE_RSS_BYTES:
-        with contextlib.suppress(OSError, AttributeError):
-            _libc().malloc_trim(0)
+        malloc.trim()
 
 
 #: Whether this process is a render worker (set by :func:`_worker_init`): only then does
@@ -584,11 +572,9 @@ def _malloc_for(heavy: bool) -> None:
     if not _is_worker:
         return
     _heavy = heavy
-    with contextlib.suppress(OSError, AttributeError):
-        libc = _libc()
-        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
-        libc.mallopt(_M_MMAP_THRESHOLD,
-                     _MMAP_THRESHOLD_HEAVY if heavy else _MMAP_THRESHOLD_LIGHT)
+    malloc.set_option(malloc.M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+    malloc.set_option(malloc.M_MMAP_THRESHOLD,
+                      _MMAP_THRESHOLD_HEAVY if heavy else _MMAP_THRESHOLD_LIGHT)
 
 
 def _heavy_call() -> None:
