@@ -705,6 +705,12 @@ class _Slots:
         self.free += 1
 
 
+def _worker_processes(executor: ProcessPoolExecutor) -> list[multiprocessing.Process]:
+    """The executor's worker processes: ProcessPoolExecutor has no public way to reach
+    them (to stop a busy one, or to see that one died) before Python 3.14."""
+    return list((getattr(executor, "_processes", None) or {}).values())
+
+
 class RenderPool:
     """Runs :func:`probe` and :func:`render_page` in a pool of spawned worker processes.
 
@@ -748,11 +754,10 @@ class RenderPool:
         if self._executor is not executor:
             return  # another call already replaced it
         self._executor = None
-        # ProcessPoolExecutor has no public way to stop a busy worker before 3.14.
-        processes = dict(getattr(executor, "_processes", None) or {})
+        processes = _worker_processes(executor)
         results = getattr(executor, "_result_queue", None)
         executor.shutdown(wait=False, cancel_futures=True)
-        for proc in processes.values():
+        for proc in processes:
             if proc.is_alive():
                 proc.kill()
         if results is not None:
@@ -764,8 +769,7 @@ class RenderPool:
 
     @staticmethod
     def _dead_worker(executor: ProcessPoolExecutor) -> bool:
-        processes = dict(getattr(executor, "_processes", None) or {})
-        return any(not proc.is_alive() for proc in processes.values())
+        return any(not proc.is_alive() for proc in _worker_processes(executor))
 
     async def _outcome(self, executor: ProcessPoolExecutor, future: asyncio.Future[Any]) -> Any:
         """``future``'s result within ``timeout``; BrokenProcessPool once a worker of
