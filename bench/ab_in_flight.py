@@ -11,8 +11,10 @@ Optional arms: ``--sampled``, the direct client with ``bench/inflight.py``'s sam
 reading ``/load`` and ``/metrics`` every 0.25 s (as it does during chandrad's arm);
 ``--client``, the direct client's bodies sent by chandrad's own ``EngineClient``;
 ``--spin 1.0,0.6``, the direct client with a loop on chandrad's CPUs busy that share of
-every 5 ms. Each arm
-records the engine's request and token counters over it (``engine_counters``).
+every 5 ms; ``--copies N``, the corpus N times over in every arm (a longer burst);
+``--daemon-env KEY=VALUE``, set in chandrad's environment only (e.g. glibc's
+``MALLOC_MMAP_THRESHOLD_``). Each arm records the engine's request and token counters
+over it (``engine_counters``) and when its pages came back (``completions``).
 
 Usage: ``.venv/bin/python bench/ab_in_flight.py --limits 0,64 --rounds 3 --out F.json``.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -98,6 +101,27 @@ async def client_arm(base: str, engine_sid: int, bodies: list[bytes],
     return {"arm": f"chandrad's EngineClient at {concurrency}",
             "pages_per_s": bench.rate(len(bodies), seconds),
             "engine_cpu_s_per_page": round(engine_cpu / len(bodies), 3)}
+
+
+def direct_arm(arm: str, base: str, engine_sid: int, bodies: list[bytes],
+               concurrency: int) -> dict[str, Any]:
+    """The direct client at ``concurrency``: alone (``direct``), with the bench's sampler
+    on (``sampled``) or beside a loop on chandrad's CPUs (``spin<duty>``)."""
+    label = f"direct client at {concurrency}"
+    with contextlib.ExitStack() as beside:
+        if arm == "sampled":
+            beside.enter_context(inflight.Sampler(base))
+            label += ", /load and /metrics read every 0.25 s"
+        elif arm.startswith("spin"):
+            duty = float(arm[4:])
+            spinner = subprocess.Popen(  # inherits chandrad's CPUs
+                [sys.executable, "-c", SPIN.format(duty=duty, period=SPIN_PERIOD)])
+            beside.callback(spinner.wait)
+            beside.callback(spinner.kill)
+            label += f", chandrad's CPUs kept {duty:.0%} busy"
+        one = asyncio.run(bench.measure_engine_after(base, engine_sid, bodies, concurrency))
+    one["arm"] = label
+    return one
 
 
 def chandrad_arm(root: Path, base: str, engine_sid: int, model: Path, limit: int,
@@ -189,31 +213,11 @@ def main() -> int:
                 for arm in order:
                     t0 = time.monotonic()
                     counters0 = engine_counters(base)
-                    if arm == "direct":
-                        one = asyncio.run(bench.measure_engine_after(
-                            base, engine.pid, bodies, args.max_num_seqs))
-                        one["arm"] = f"direct client at {args.max_num_seqs}"
-                    elif isinstance(arm, str) and arm.startswith("spin"):
-                        duty = float(arm[4:])
-                        spinner = subprocess.Popen(  # inherits chandrad's CPUs
-                            [sys.executable, "-c", SPIN.format(duty=duty, period=SPIN_PERIOD)])
-                        try:
-                            one = asyncio.run(bench.measure_engine_after(
-                                base, engine.pid, bodies, args.max_num_seqs))
-                        finally:
-                            spinner.kill()
-                            spinner.wait()
-                        one["arm"] = (f"direct client at {args.max_num_seqs}, chandrad's "
-                                      f"CPUs kept {duty:.0%} busy")
-                    elif arm == "client":
+                    if arm == "client":
                         one = asyncio.run(client_arm(base, engine.pid, bodies,
                                                      args.max_num_seqs))
-                    elif arm == "sampled":
-                        with inflight.Sampler(base):
-                            one = asyncio.run(bench.measure_engine_after(
-                                base, engine.pid, bodies, args.max_num_seqs))
-                        one["arm"] = (f"direct client at {args.max_num_seqs}, /load and "
-                                      "/metrics read every 0.25 s")
+                    elif isinstance(arm, str):
+                        one = direct_arm(arm, base, engine.pid, bodies, args.max_num_seqs)
                     else:
                         one = chandrad_arm(root / f"r{rnd}-{arm}", base, engine.pid,
                                            args.model_dir, int(arm), docs,
