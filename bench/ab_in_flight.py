@@ -127,16 +127,7 @@ def direct_arm(arm: str, base: str, engine_sid: int, bodies: list[bytes],
 def chandrad_arm(root: Path, base: str, engine_sid: int, model: Path, limit: int,
                  docs: list[bench.Doc], max_tokens: int) -> dict[str, Any]:
     daemon = bench.DaemonRun.prepare(root, base, model, max_tokens, 1.0, max_in_flight=limit)
-    saved = {key: os.environ.get(key) for key in DAEMON_ENV}
-    os.environ.update(DAEMON_ENV)  # the daemon's environment only (and its workers')
-    try:
-        daemon.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    daemon.start(DAEMON_ENV)  # the daemon's environment only (and its workers')
     try:
         daemon.wait_status(lambda s: s["engine"]["state"] == "ready", timeout=120)
         src = bench.corpus_dir() / "good" / bench.LATENCY_FILE

@@ -410,11 +410,13 @@ socket = "{run.socket}"
 """)
         return run
 
-    def start(self) -> float:
-        """Start ``python -m chandrad run``; returns the wall-clock spawn time."""
+    def start(self, env: dict[str, str] | None = None) -> float:
+        """Start ``python -m chandrad run`` (``env``: added to this process's environment);
+        returns the wall-clock spawn time."""
         t = time.time()
         self.proc = _proc.start_session(
-            [str(PYTHON), "-m", "chandrad", "run", "--config", str(self.config)], self.log)
+            [str(PYTHON), "-m", "chandrad", "run", "--config", str(self.config)], self.log,
+            env={**os.environ, **env} if env else None)
         return t
 
     @property
@@ -564,12 +566,10 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
     pages_done = int(pages_row[1] or 0)
     # Page time from claim (request sent) to stored result, summed: over the wall time
     # it is the mean number of pages the daemon had at the engine (or post-processing).
-    busy, first_sent = run.query(
-        "SELECT sum(p.finished_at - p.started_at), min(p.started_at) FROM pages p "
-        "JOIN jobs j ON j.id = p.job_id WHERE j.id > ? AND p.state = 'done'", (after_job,))[0]
-    page_done_s = [row[0] - t0 for row in run.query(
-        "SELECT p.finished_at FROM pages p JOIN jobs j ON j.id = p.job_id "
-        "WHERE j.id > ? AND p.state = 'done'", (after_job,))]
+    done = run.query("SELECT p.started_at, p.finished_at FROM pages p JOIN jobs j "
+                     "ON j.id = p.job_id WHERE j.id > ? AND p.state = 'done'", (after_job,))
+    busy = sum(finished - started for started, finished in done)
+    first_sent = min((started for started, _ in done), default=None)
     result: dict[str, Any] = {
         "files": len(docs), "jobs_finished": finished, "job_states": states,
         "pages": int(pages_row[0] or 0), "pages_done": pages_done,
@@ -578,7 +578,7 @@ def measure_e2e(run: DaemonRun, docs: list[Doc], idle_window: float, timeout: fl
         "complete": finished >= len(docs),
         "mean_pages_in_flight": round((busy or 0.0) / seconds, 2) if seconds > 0 else None,
         "drop_to_first_request_s": round(first_sent - t0, 3) if first_sent else None,
-        "completions": completion_profile(page_done_s),
+        "completions": completion_profile([finished - t0 for _, finished in done]),
         "engine_cpu_s_per_page": round(engine_cpu / max(1, pages_done), 3),
         "daemon_cpu_s_per_page": round(daemon_cpu / max(1, pages_done), 3),
         "cpu_split": _cpu_split(run.pid, by_pid0, by_pid1, roles, pages_done),
@@ -846,6 +846,11 @@ def summarize(res: dict[str, Any]) -> None:
             res["chandrad"]["ratio_to_loaded_engine"] = round(e2e / min(loaded, render), 3)
         res["chandrad"]["ratio_to_shared_cores_bound"] = round(
             e2e / res["ceiling"]["shared_cores_pages_per_s"], 3)
+        steady = res["chandrad"].get("completions", {}).get("steady_pages_per_s")
+        steady_after = res.get("engine_after", {}).get("completions", {}).get(
+            "steady_pages_per_s")
+        if steady and steady_after:
+            res["chandrad"]["steady_ratio_to_engine_after"] = round(steady / steady_after, 3)
         targets["ratio_to_ceiling"] = ratio
     if e2e and cli:
         res["cli"]["chandrad_multiple"] = round(e2e / cli, 2)
@@ -900,10 +905,6 @@ def markdown(res: dict[str, Any], argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -940,7 +941,7 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     mine = c.get("completions", {})
     add("pages/s between the 10th and 90th percentile of completions: chandrad | direct "
         "after | ratio", f"{mine.get('steady_pages_per_s')} | {after.get('steady_pages_per_s')}"
-        f" | {_ratio(mine.get('steady_pages_per_s'), after.get('steady_pages_per_s'))}")
+        f" | {c.get('steady_ratio_to_engine_after')}")
     add("first 10 % of pages done at: chandrad | direct after (s)",
         f"{mine.get('p10_s')} | {after.get('p10_s')}")
     cli = res.get("cli", {})
