@@ -22,8 +22,10 @@ import pytest
 
 from faults.faultkit import Daemon, audit, drop, record, serving_daemon
 
-DOC = "digital_federal-register_15p.pdf"
-DOC_PAGES = 15
+#: Long enough that the SIGKILL after its first pages lands mid-document: the 15-page
+#: federal register was done within a second, before the kill, on a fast CI host.
+DOC = "digital_de-math-lecture-notes_117p_geotopo.pdf"
+DOC_PAGES = 117
 ONE_PAGE = "image_hi-devanagari.png"
 
 
@@ -92,14 +94,14 @@ def _wait_idle(d: Daemon) -> None:
 
 def test_render_worker_sigkill_then_sigsegv_mid_document(daemon: Daemon,
                                                          corpus_dir: Path) -> None:
-    """SIGKILL, then SIGSEGV, of the render worker while a 15-page document is rendered:
+    """SIGKILL, then SIGSEGV, of the render worker while a 117-page document is rendered:
     the pages it was working on are retried on a fresh worker, the job ends done with
     every page, nothing lost, nothing done twice.
 
     A page whose render dies twice fails (it may be what kills the worker: the next test),
     and a retried render waits behind the pages already queued for the worker; so the
-    SIGSEGV is sent only once the page the SIGKILL hit is done, or it could land on that
-    page's second try (CI, 2026-12-02: the job ended ``partial``)."""
+    SIGSEGV is sent only once the page the SIGKILL hit has been rendered again, or it could
+    land on that page's second try (CI, 2026-12-02: the job ended ``partial``)."""
     d = daemon
     name = "render-killed-mid-doc.pdf"
     retries_before = len(_events(d, "page_render_retry", "page_retry", "render_pool_replaced"))
@@ -109,27 +111,31 @@ def test_render_worker_sigkill_then_sigsegv_mid_document(daemon: Daemon,
     killed = _signal_workers(d, signal.SIGKILL)
     at_kill = _pages_done(d, name)
 
-    def struck_pages_done() -> bool:
-        """Every page whose render the SIGKILL cut short is done (pages counted from 1)."""
+    def struck_pages_rendered() -> bool:
+        """Every page whose render the SIGKILL cut short was rendered again: its request
+        was sent (``in_flight``) or it is done (pages counted from 1 in the event)."""
         job = _job(d, name)
         assert job is not None
-        done = {i + 1 for (j, i) in d.done_pages() if j == job["id"]}
+        with d.db() as conn:
+            rendered = {i + 1 for (i,) in conn.execute(
+                "SELECT page_index FROM pages WHERE job_id = ? AND state IN "
+                "('in_flight', 'done')", (job["id"],))}
         struck = {e.get("page") for e in _events(d, "page_render_retry")
                   if e.get("job") == job["id"]}
-        return struck <= done
+        return struck <= rendered
 
-    d.wait_for("2 more pages and the page the SIGKILL hit done",
+    d.wait_for("2 more pages done and the page the SIGKILL hit rendered again",
                lambda: (_pages_done(d, name) >= min(at_kill + 2, DOC_PAGES)
-                        and struck_pages_done()), 120)
+                        and struck_pages_rendered()), 120, every=0.05)
     d.wait_for("a new render worker", lambda: bool({p.pid for p in _workers(d)} - set(killed)),
-               60)
+               60, every=0.05)
     segv = _signal_workers(d, signal.SIGSEGV) if _pages_done(d, name) < DOC_PAGES else []
     jobs = d.wait_stored_final([name], 300)
     a = audit(d, {name: DOC_PAGES}, before)
     retries = _events(d, "page_render_retry", "page_retry", "render_pool_replaced")
     retries = retries[retries_before:]
     job = jobs[name]
-    record("render worker SIGKILLed, then SIGSEGV, mid-document (15 pages, 1 worker)",
+    record(f"render worker SIGKILLed, then SIGSEGV, mid-document ({DOC_PAGES} pages, 1 worker)",
            f"killed pids {killed} (SIGKILL) and {segv} (SIGSEGV); {len(retries)} page/pool "
            f"retries on a fresh worker ({sorted({str(e['event']) for e in retries})}); job "
            f"{job['state']}, {job['pages_total']} pages", lost=len(a.lost) + len(a.bad_outputs),
