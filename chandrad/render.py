@@ -248,7 +248,7 @@ def probe(path: Path, max_pages: int, *, keep_open: bool = False) -> DocumentInf
             info = DocumentInfo(kind="pdf", page_count=doc.page_count, format="PDF")
     else:
         with _kept_open(path, _open_image,
-                        lambda img: keep_open and img.format in MULTIPAGE_FORMATS) as img:
+                        lambda img: keep_open and _image_pages(img) > 1) as img:
             try:
                 info = DocumentInfo(kind="image", page_count=_image_pages(img),
                                     format=str(img.format))
@@ -379,9 +379,12 @@ _FileKey = tuple[str, int, int, int, int, int]
 #: * a PDF: MuPDF parses the cross-reference table and page tree once, and the fonts it
 #:   loaded for one page (in its resource store, which :func:`_release_memory` then keeps
 #:   while it is small) serve the next: ~16 instead of ~27 ms of CPU per PDF page;
-#: * a multi-frame image: Pillow remembers the offset of every frame it has walked past, so
-#:   the next page of the same TIFF is one seek instead of a walk from frame 1 (a
-#:   4,000-page TIFF took ~n^2/2 frame-header reads otherwise).
+#: * an image of several frames: Pillow remembers the offset of every frame it has walked
+#:   past, so the next page of the same TIFF is one seek instead of a walk from frame 1 (a
+#:   4,000-page TIFF took ~n^2/2 frame-header reads otherwise). It also holds the frame it
+#:   decoded last, which is why an image of one frame is never kept: it has no next page,
+#:   and its pixels (a 4123x5556 bilevel scan: 23 MB) stayed in the worker under the next
+#:   heavy page's.
 #: Pages of a file mostly come in order, but several jobs render at once, so a few files
 #: are kept. A file replaced or rewritten at the same path has a new identity (a new inode;
 #: a write moves mtime and ctime) and is opened anew; the old one is closed then. An open
@@ -438,7 +441,7 @@ def _render_image_page(
         from chandra.settings import settings as chandra_settings
 
         min_side_px = int(chandra_settings.MIN_IMAGE_DIM)
-    with _kept_open(path, _open_image, lambda img: img.format in MULTIPAGE_FORMATS) as img:
+    with _kept_open(path, _open_image, lambda img: _image_pages(img) > 1) as img:
         pages = _image_pages(img)
         if not 0 <= index < pages:
             raise InputError(f"{path.name}: page {index + 1} does not exist ({pages} pages)")

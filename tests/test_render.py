@@ -738,6 +738,35 @@ def test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages() -> None
     assert hwm[0] <= WORKER_RSS_LIMIT_MB, f"worker VmHWM {hwm[0]} MB"
 
 
+def _rss_anon_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("RssAnon:")[1].split()[0]) / 1024
+
+
+def test_a_worker_holds_no_pixels_of_a_one_frame_image_after_its_page() -> None:
+    """An image of one frame has no next page to keep its file open for: once its page is
+    rendered, the worker's anonymous memory is back where it was before (the 4123x5556
+    bilevel TIFF decodes to 23 MB; kept open, that frame stayed in the worker, under the
+    next heavy page's own ~90 MB). A multi-frame TIFF is still kept: its next page is a
+    seek, not a walk from the first frame."""
+    small = CORPUS_DIR / "good" / "image_us-senate-document-1870s.jpg"
+    big = CORPUS_DIR / "good" / "image_receipt-like-lottery-tickets.tif"
+
+    async def main() -> tuple[float, float]:
+        pool = RenderPool(workers=1)
+        try:
+            await pool.render_for_request(small, 0, None, MAX_PIXELS)
+            (pid,) = _worker_pids()
+            before = _rss_anon_mb(pid)
+            await pool.render_for_request(big, 0, None, MAX_PIXELS)
+            return before, _rss_anon_mb(pid)
+        finally:
+            pool.close()
+
+    before, after = asyncio.run(main())
+    assert after - before < 8, f"RssAnon {before:.1f} -> {after:.1f} MB"
+
+
 def test_an_image_page_does_not_import_pymupdf() -> None:
     """Rendering an image page empties MuPDF's store only where PyMuPDF is loaded: it
     never imports PyMuPDF (~125 MB) into a process that had not."""
