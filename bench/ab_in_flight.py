@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -82,7 +83,8 @@ async def client_arm(base: str, engine_sid: int, bodies: list[bytes],
     for body in bodies:
         start = body.index(b"base64,") + len(b"base64,")
         end = body.index(b'"', start)
-        encoded.append(EncodedJson((body[:start], body[start:end], body[end:])))
+        encoded.append(EncodedJson(body[:start], base64.b64decode(body[start:end]),
+                                   body[end:]))
     client = EngineClient(base, timeout=300)
     pending = iter(encoded)
     try:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import datetime as dt
 import functools
@@ -58,7 +57,7 @@ import inflight
 from chandrad import ocr
 from chandrad.config import OcrConfig
 from chandrad.ctl.client import call as ctl_call
-from chandrad.render import RenderedPage, RenderPool, probe
+from chandrad.render import RenderPool, probe
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -210,17 +209,14 @@ async def measure_render(docs: list[Doc], ocr_cfg: OcrConfig
         workers = _proc.children(os.getpid())
         cpu0 = _proc.tree_cpu_seconds(workers) + time.process_time()
         t0 = time.perf_counter()
-        # As the daemon renders: the worker also base64-encodes the PNG for the request.
         shipped = await asyncio.gather(*(
-            pool.render_for_request(d.path, i, ocr_cfg.render_min_side, ocr_cfg.max_pixels)
+            pool.render(d.path, i, ocr_cfg.render_min_side, ocr_cfg.max_pixels)
             for d in docs for i in range(d.pages)))
         seconds = time.perf_counter() - t0
         cpu = _proc.tree_cpu_seconds(workers) + time.process_time() - cpu0
     finally:
         pool.close()
-    pages = [RenderedPage(p.index, base64.b64decode(p.png_b64), p.width, p.height)
-             for p in shipped]
-    del shipped
+    pages = shipped
     pixels = sum(p.width * p.height for p in pages)
     return ({"pages": len(pages), "seconds": round(seconds, 3),
              "pages_per_s": rate(len(pages), seconds), "workers": pool.workers,
@@ -335,7 +331,7 @@ async def measure_engine_loaded(base: str, engine_sid: int, bodies: list[bytes],
                 if stop.is_set():
                     return
                 t0 = time.monotonic()
-                await pool.render_for_request(path, index, ocr_cfg.render_min_side,
+                await pool.render(path, index, ocr_cfg.render_min_side,
                                               ocr_cfg.max_pixels)
                 await asyncio.sleep((time.monotonic() - t0) * (1 / share - 1))
 

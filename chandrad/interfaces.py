@@ -8,26 +8,43 @@ crosses a seam (a request body the pipeline encoded, which the engine client sen
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import base64
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from chandrad.protocol import EngineStatus
 from chandrad.states import EngineState
 
+#: Bytes of the image written to base64 at a time as a body is sent (a multiple of 3, so
+#: the slices' base64 joins into the whole's).
+BASE64_SLICE_BYTES = 3 << 16
+
 
 @dataclass(frozen=True)
 class EncodedJson:
-    """A request body already encoded as JSON (UTF-8), in parts sent one after the other
-    and never joined: a page's image is most of a chat request (~0.6 MB), and joining
-    would copy it once more per request in flight."""
+    """A request body encoded as JSON (UTF-8) around one image: ``head``, the image in
+    base64, ``tail``. The base64 is written only as the body is sent, a slice at a time,
+    and the body is never joined: a page's image is most of a chat request, and the
+    daemon holds each page as its PNG alone (3/4 of its base64: ~0.47 instead of
+    ~0.63 MB), however many requests are in flight."""
 
-    parts: tuple[bytes, ...]
+    head: bytes
+    image: bytes
+    tail: bytes
 
     @property
     def size(self) -> int:
         """The body's length in bytes (its ``Content-Length``)."""
-        return sum(len(part) for part in self.parts)
+        return len(self.head) + 4 * -(-len(self.image) // 3) + len(self.tail)
+
+    def parts(self) -> Iterator[bytes]:
+        """The body, part after part."""
+        yield self.head
+        image = memoryview(self.image)
+        for start in range(0, len(image), BASE64_SLICE_BYTES):
+            yield base64.b64encode(image[start:start + BASE64_SLICE_BYTES])
+        yield self.tail
 
 
 #: A chat request as the engine client takes it: a JSON-able dict, or already encoded.

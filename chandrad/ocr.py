@@ -122,15 +122,15 @@ def _as_sent(page_png: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class PageImage:
-    """A rendered page as the daemon holds it from render to post-processing: the PNG in
-    base64 (ASCII bytes), which is what the request's data URL carries, so the daemon never
-    encodes the image nor keeps the PNG besides; and its pixel size. ``png_b64`` is empty
-    in a copy sent to post-processing that needs only the size (:meth:`for_answer`)."""
+    """One rendered page, as the daemon holds it from render to post-processing: a PNG
+    (8-bit RGB, or greyscale for a greyscale source), which each request writes in base64
+    as it is sent (:class:`EncodedJson`), and its pixel size. ``png`` is empty in a copy
+    sent to post-processing that needs only the size (:meth:`for_answer`)."""
 
     index: int  # 0-based
     width: int
     height: int
-    png_b64: bytes
+    png: bytes
 
     def for_answer(self, text: str, *, include_images: bool) -> PageImage:
         """What post-processing of ``text`` needs of the page: all of it where the answer
@@ -215,9 +215,9 @@ def encode_chat_request(
     top_p: float,
 ) -> EncodedJson:
     """:func:`build_chat_request` of a rendered page (``fitted=True``), encoded as JSON
-    the way httpx encodes ``json=`` (UTF-8, no spaces): the same bytes, in three parts
-    around the page's base64, which is used as it is (neither copied nor escaped: base64
-    needs no JSON escapes)."""
+    the way httpx encodes ``json=`` (UTF-8, no spaces): the same bytes, around the page's
+    PNG, which is written in base64 only as the body is sent (base64 needs no JSON
+    escapes)."""
     text = json.dumps(
         _chat_body(_IMAGE_SLOT, model=model, prompt_type=prompt_type,
                    max_output_tokens=max_output_tokens, temperature=temperature, top_p=top_p),
@@ -225,7 +225,7 @@ def encode_chat_request(
     head, slot, tail = text.partition(json.dumps(_IMAGE_SLOT)[1:-1])
     if not slot:
         raise RuntimeError("the image's place was not found in the encoded request")
-    return EncodedJson((head.encode("utf-8"), page.png_b64, tail.encode("utf-8")))
+    return EncodedJson(head.encode("utf-8"), page.png, tail.encode("utf-8"))
 
 
 def request_max_tokens(budget: int, max_model_len: int | None, prompt_tokens: int) -> int:
@@ -337,19 +337,16 @@ class _LazyPage:
         self._png: bytes | None
         if isinstance(page, PageImage):
             self.size = (page.width, page.height)
-            self._png, self._b64 = None, page.png_b64
+            self._png = page.png
         else:
             self.size = _png_size(page)
-            self._png, self._b64 = page, b""
+            self._png = page
         self._rows: png.Rows | None = None
         self._rgb: Image.Image | None = None
 
     def _page_png(self) -> bytes:
-        if self._png is None:
-            if not self._b64:
-                raise NoPagePixels("a crop was asked of a page sent without its pixels")
-            self._png = base64.b64decode(self._b64)
-            self._b64 = b""
+        if not self._png:
+            raise NoPagePixels("a crop was asked of a page sent without its pixels")
         return self._png
 
     def _pillow_rgb(self) -> Image.Image:

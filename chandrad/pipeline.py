@@ -687,10 +687,10 @@ class Pipeline:
         so a page that failed that way gets one more try before it counts."""
         args = (job.abs_path, index, self.config.ocr.render_min_side, self.engine.max_pixels)
         try:
-            return await self.render.render_for_request(*args)
+            return await self.render.render(*args)
         except (RenderCrashed, RenderTimeout) as exc:
             log.warning("page_render_retry", job=job.id, page=index + 1, error=exc.message)
-            return await self.render.render_for_request(*args)
+            return await self.render.render(*args)
 
     async def _infer(self, job: Job, index: int, page: ocr.PageImage,
                      window: _Hold) -> _PageOutcome:
@@ -703,8 +703,8 @@ class Pipeline:
         one attempt; a request the engine failed under (it left ``ready``) is given back
         uncharged, and so is one that only needs ``max_tokens`` refitted.
 
-        The page image is held once, as the base64 the request carries: each request's
-        body is encoded around it, never copied (``ocr.encode_chat_request``).
+        The page image is held once, as its PNG: each request's body is encoded around
+        it and writes its base64 as it is sent (``ocr.encode_chat_request``).
         """
         cfg = self.config.ocr
         width, height = page.width, page.height

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import base64
 import contextlib
 import functools
 import math
@@ -96,17 +95,6 @@ class DocumentInfo:
     kind: str  # "pdf" | "image"
     page_count: int
     format: str  # "PDF" or the Pillow format name ("JPEG", "TIFF", ...)
-
-
-@dataclass(frozen=True)
-class RenderedPage:
-    """One page as sent to the model: a PNG (8-bit RGB, or greyscale for a greyscale
-    source) and its pixel size."""
-
-    index: int  # 0-based
-    png: bytes
-    width: int
-    height: int
 
 
 class _SizeProbe:
@@ -284,15 +272,15 @@ def _encode_png(img: Image.Image) -> bytes:
     return png.encode(img.tobytes(), img.width, img.height, img.mode)
 
 
-def _final(index: int, img: Image.Image, max_pixels: int) -> RenderedPage:
+def _final(index: int, img: Image.Image, max_pixels: int) -> ocr.PageImage:
     # A no-op when the size is already what scale_to_fit wants (the normal case).
     img = ocr.chandra_util().scale_to_fit(img, max_size=(max_pixels, 1))
-    return RenderedPage(index=index, png=_encode_png(img), width=img.width, height=img.height)
+    return ocr.PageImage(index=index, width=img.width, height=img.height, png=_encode_png(img))
 
 
 def _render_pdf_page(
     path: Path, index: int, min_side_px: int | None, max_pixels: int
-) -> RenderedPage:
+) -> ocr.PageImage:
     import pymupdf
     from chandra.settings import settings as chandra_settings
 
@@ -321,7 +309,7 @@ def _render_pdf_page(
         except Exception as exc:
             raise InputError(f"{path.name}: page {index + 1} cannot be rendered: {exc}") from exc
         if (pix.width, pix.height) == (width, height):  # the normal case: no copy
-            return RenderedPage(index=index, width=width, height=height, png=png.encode(
+            return ocr.PageImage(index=index, width=width, height=height, png=png.encode(
                 pix.samples_mv, width, height, "RGB", stride=pix.stride))
         # MuPDF rounds the pixmap box outward by a pixel.
         img = Image.frombuffer("RGB", (pix.width, pix.height), pix.samples_mv, "raw", "RGB",
@@ -436,7 +424,7 @@ def _kept_open(path: Path, opener: Any, keep: Any) -> Iterator[Any]:
 
 def _render_image_page(
     path: Path, index: int, min_side_px: int | None, max_pixels: int
-) -> RenderedPage:
+) -> ocr.PageImage:
     if min_side_px is None:
         from chandra.settings import settings as chandra_settings
 
@@ -480,7 +468,7 @@ def _render_image_page(
 
 def render_page(
     path: Path, index: int, min_side_px: int | None, max_pixels: int
-) -> RenderedPage:
+) -> ocr.PageImage:
     """Render page ``index`` (0-based) of ``path`` to a PNG at Chandra's size policy.
 
     ``min_side_px=None``: Chandra's minimum for the kind of input (PDF 1024, image 1536).
@@ -490,16 +478,6 @@ def render_page(
         return _render_pdf_page(path, index, min_side_px, max_pixels)
     _heavy_call()  # MuPDF's fonts are no use to Pillow
     return _render_image_page(path, index, min_side_px, max_pixels)
-
-
-def render_for_request(
-    path: Path, index: int, min_side_px: int | None, max_pixels: int
-) -> ocr.PageImage:
-    """:func:`render_page`, its PNG in base64 as the request's data URL carries it: the
-    worker encodes it, so the daemon only passes the bytes on (``ocr.encode_chat_request``)."""
-    page = render_page(path, index, min_side_px, max_pixels)
-    return ocr.PageImage(index=page.index, width=page.width, height=page.height,
-                         png_b64=base64.b64encode(page.png))
 
 
 def _die_with_parent() -> None:
@@ -779,7 +757,7 @@ class RenderPool:
         ``executor`` is dead.
 
         CPython's executor notices a dead worker itself, except when the worker died while
-        sending a result (a page's base64 PNG is hundreds of KB, more than a pipe holds):
+        sending a result (a page's PNG is hundreds of KB, more than a pipe holds):
         its manager thread has started reading that message and waits for the rest for
         ever, so the future would only end at ``timeout`` (300 s by default)."""
         try:
@@ -846,21 +824,11 @@ class RenderPool:
 
     async def render(
         self, path: Path, index: int, min_side_px: int | None, max_pixels: int
-    ) -> RenderedPage:
+    ) -> ocr.PageImage:
         """Render one page in a worker process."""
         what = f"{path.name} page {index + 1}"
-        page: RenderedPage = await self._run(
-            what, render_page, path, index, min_side_px, max_pixels
-        )
-        return page
-
-    async def render_for_request(
-        self, path: Path, index: int, min_side_px: int | None, max_pixels: int
-    ) -> ocr.PageImage:
-        """Render one page in a worker process, as the daemon sends it (base64)."""
-        what = f"{path.name} page {index + 1}"
         page: ocr.PageImage = await self._run(
-            what, render_for_request, path, index, min_side_px, max_pixels
+            what, render_page, path, index, min_side_px, max_pixels
         )
         return page
 

@@ -31,6 +31,7 @@ from standin_engine import StandinServer, standin_server
 
 from chandrad import errors
 from chandrad.engine.client import EngineClient
+from chandrad.interfaces import BASE64_SLICE_BYTES, EncodedJson
 from chandrad.ocr import (
     NoPagePixels,
     PageImage,
@@ -41,7 +42,7 @@ from chandrad.ocr import (
     retry_reason,
     sampling_for_attempt,
 )
-from chandrad.render import render_for_request, render_page
+from chandrad.render import render_page
 
 
 @pytest.fixture
@@ -114,13 +115,13 @@ def test_request_matches_chandras_client(openai_server: StandinServer, page_png:
 def _page_image(png: bytes) -> PageImage:
     with Image.open(io.BytesIO(png)) as img:
         width, height = img.size
-    return PageImage(0, width, height, base64.b64encode(png))
+    return PageImage(0, width, height, png)
 
 
 @pytest.mark.parametrize("max_tokens", [None, 12384])
 def test_encoded_request_is_the_bytes_httpx_sends_for_the_dict(page_png: bytes,
                                                                max_tokens: int | None) -> None:
-    """The pipeline's body, encoded around the worker's base64, is byte for byte what httpx
+    """The pipeline's body, encoded around the worker's PNG, is byte for byte what httpx
     sends for ``build_chat_request`` (``json=``), whatever the prompt's characters."""
     for prompt_type in sorted(PROMPT_MAPPING):
         kwargs: dict[str, Any] = dict(model="chandra/é \"q\"", prompt_type=prompt_type,
@@ -129,21 +130,35 @@ def test_encoded_request_is_the_bytes_httpx_sends_for_the_dict(page_png: bytes,
         encoded = encode_chat_request(_page_image(page_png), **kwargs)
         as_dict = build_chat_request(page_png, fitted=True, **kwargs)
         sent = httpx.Request("POST", "http://x/", json=as_dict).content
-        assert b"".join(encoded.parts) == sent
+        assert b"".join(encoded.parts()) == sent
         assert encoded.size == len(sent)
     with pytest.raises(errors.InputError):
         encode_chat_request(_page_image(page_png), model="m", prompt_type="nope",
                             max_output_tokens=None, temperature=0.0, top_p=1.0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=3 * BASE64_SLICE_BYTES + 4))
+def test_an_encoded_body_writes_its_image_in_base64_slice_by_slice(length: int) -> None:
+    """Whatever the image's length (a multiple of the slice or not, shorter than one),
+    the slices' base64 is the whole image's, and ``size`` is the body's length."""
+    image = bytes(i % 251 for i in range(length))
+    body = EncodedJson(b'{"url":"data:image/png;base64,', image, b'"}')
+    sent = b"".join(body.parts())
+    assert sent == body.head + base64.b64encode(image) + body.tail
+    assert body.size == len(sent)
+
+
 def test_the_engine_receives_the_encoded_request_whole(openai_server: StandinServer,
                                                        page_png: bytes) -> None:
     """EngineClient.chat sends an encoded body part after part with its Content-Length
     (the stand-in reads exactly that many bytes): the engine parses the same request as
-    from the dict, the page's base64 unchanged."""
+    from the dict, the page's PNG unchanged in its base64 (written slice by slice as
+    it is sent: the page is several slices)."""
     _answer(openai_server, "fine")
-    page = render_for_request(CORPUS_DIR / "good/scan_book-page_c02-22.pdf", 0, 1024, 6291456)
-    assert base64.b64decode(page.png_b64) == page_png
+    page = render_page(CORPUS_DIR / "good/scan_book-page_c02-22.pdf", 0, 1024, 6291456)
+    assert page.png == page_png
+    assert len(page.png) > 2 * BASE64_SLICE_BYTES
     kwargs: dict[str, Any] = dict(model="chandra", prompt_type="ocr_layout",
                                   max_output_tokens=100, temperature=0.0, top_p=0.1)
 
@@ -174,7 +189,7 @@ def test_post_processing_gets_the_pixels_only_for_an_answer_with_an_image(
     for text, images in [(PLANTED_TEXT, False), (TEXT_ONLY, True), (TEXT_ONLY, False),
                          (RAW, False)]:
         sent = page.for_answer(text, include_images=images)
-        assert (sent.png_b64, sent.width, sent.height) == (b"", page.width, page.height)
+        assert (sent.png, sent.width, sent.height) == (b"", page.width, page.height)
         for headers in (False, True):
             ours = postprocess(text, "stop", sent, include_images=images,
                                include_headers_footers=headers)

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from chandrad import errors, render
+from chandrad.ocr import PageImage
 from chandrad.render import (
     MAX_PDF_IMAGE_BYTES,
-    RenderedPage,
     RenderPool,
     fit_size,
     probe,
@@ -62,7 +62,7 @@ def _sample(page_count: int) -> list[int]:
     return sorted({0, 1, page_count // 2, page_count - 1})
 
 
-def _check_page(page: RenderedPage, index: int) -> None:
+def _check_page(page: PageImage, index: int) -> None:
     assert page.index == index
     assert page.png.startswith(PNG_SIGNATURE)
     with Image.open(io.BytesIO(page.png)) as img:
@@ -73,7 +73,7 @@ def _check_page(page: RenderedPage, index: int) -> None:
     assert min(page.width, page.height) >= MIN_SIDE
 
 
-def _process(path: Path) -> tuple[int, list[RenderedPage]]:
+def _process(path: Path) -> tuple[int, list[PageImage]]:
     info = probe(path, max_pages=5000)
     indexes = _sample(info.page_count)
     return info.page_count, [render_page(path, i, MIN_SIDE, MAX_PIXELS) for i in indexes]
@@ -489,7 +489,7 @@ def test_pool_renders_like_direct_calls_and_keeps_error_types() -> None:
     """Pages rendered in the pool equal direct renders; typed errors cross the process boundary."""
     path = CORPUS_DIR / "good/scan_zh-customs-penalty-decision.pdf"
 
-    async def main() -> tuple[list[RenderedPage], BaseException]:
+    async def main() -> tuple[list[PageImage], BaseException]:
         pool = RenderPool(workers=2)
         try:
             info = await pool.probe(path, 100)
@@ -516,7 +516,7 @@ def test_pool_survives_a_killed_worker() -> None:
     slow = CORPUS_DIR / "bad/broken_huge-pixels-35000px_hugemono.pdf"
     quick = CORPUS_DIR / "good/digital_sf424-federal-form.pdf"
 
-    async def main() -> tuple[BaseException | None, RenderedPage]:
+    async def main() -> tuple[BaseException | None, PageImage]:
         pool = RenderPool(workers=1)
         try:
             await pool.probe(quick, 10)  # start the worker
@@ -591,7 +591,7 @@ def test_pool_fails_fast_when_a_worker_dies_sending_its_page(tmp_path: Path) -> 
                         return
                 time.sleep(0.0005)
 
-    async def main() -> tuple[BaseException | None, float, list[float], RenderedPage]:
+    async def main() -> tuple[BaseException | None, float, list[float], PageImage]:
         pool = RenderPool(workers=1, timeout=60)
         try:
             await pool.probe(quick, 10)  # start the worker
@@ -602,7 +602,7 @@ def test_pool_fails_fast_when_a_worker_dies_sending_its_page(tmp_path: Path) -> 
             t0 = time.monotonic()
             failure: BaseException | None = None
             try:
-                await pool.render_for_request(noise, 0, None, 2800 * 2800)
+                await pool.render(noise, 0, None, 2800 * 2800)
             except errors.InputError as exc:
                 failure = exc
             took = time.monotonic() - t0
@@ -629,7 +629,7 @@ def test_pool_times_out_a_slow_page_and_recovers() -> None:
     slow = CORPUS_DIR / "bad/broken_huge-pixels-35000px_hugemono.pdf"
     quick = CORPUS_DIR / "good/digital_sf424-federal-form.pdf"
 
-    async def main() -> tuple[BaseException | None, list[int], RenderedPage]:
+    async def main() -> tuple[BaseException | None, list[int], PageImage]:
         pool = RenderPool(workers=1, timeout=60)
         try:
             await pool.probe(quick, 10)  # start the worker: spawning takes a while
@@ -717,7 +717,7 @@ def test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages() -> None
         try:
             crops = 0
             for name in HEAVY_PAGES:
-                page = await pool.render_for_request(CORPUS_DIR / "good" / name, 0, None,
+                page = await pool.render(CORPUS_DIR / "good" / name, 0, None,
                                                      MAX_PIXELS)
                 result = await pool.postprocess(PLANTED_TEXT, "stop", page,
                                                 include_images=True,
@@ -755,10 +755,10 @@ def test_a_worker_holds_no_pixels_of_a_one_frame_image_after_its_page() -> None:
     async def main() -> tuple[float, float]:
         pool = RenderPool(workers=1)
         try:
-            await pool.render_for_request(small, 0, None, MAX_PIXELS)
+            await pool.render(small, 0, None, MAX_PIXELS)
             (pid,) = _worker_pids()
             before = _rss_anon_mb(pid)
-            await pool.render_for_request(big, 0, None, MAX_PIXELS)
+            await pool.render(big, 0, None, MAX_PIXELS)
             return before, _rss_anon_mb(pid)
         finally:
             pool.close()
@@ -804,7 +804,7 @@ def _worker_faults(pool_env: str | None) -> int:
             (pid,) = _worker_pids()
             before = _minor_faults(pid)
             for name in HEAVY_PAGES[:2]:
-                page = await pool.render_for_request(CORPUS_DIR / "good" / name, 0, None,
+                page = await pool.render(CORPUS_DIR / "good" / name, 0, None,
                                                      MAX_PIXELS)
                 await pool.postprocess(PLANTED_TEXT, "stop", page, include_images=True,
                                        include_headers_footers=False)
@@ -856,7 +856,7 @@ def test_text_pages_reuse_the_workers_heap_instead_of_fresh_memory() -> None:
         pool = RenderPool(workers=1)
         try:
             async def page(index: int) -> None:
-                rendered = await pool.render_for_request(notes, index, None, MAX_PIXELS)
+                rendered = await pool.render(notes, index, None, MAX_PIXELS)
                 result = await pool.postprocess(PLANTED_TEXT, "stop", rendered,
                                                 include_images=True,
                                                 include_headers_footers=False)

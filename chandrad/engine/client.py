@@ -49,7 +49,7 @@ def parse_metrics(text: str, names: Collection[str] | None = None) -> dict[str, 
 
 
 async def _parts(body: EncodedJson) -> AsyncIterator[bytes]:
-    for part in body.parts:
+    for part in body.parts():
         yield part
 
 
@@ -112,8 +112,8 @@ class EngineClient:
         return parse_metrics(response.text, SCHEDULER_SERIES)
 
     async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
-        """``POST /v1/chat/completions``. An :class:`EncodedJson` body is sent as it is,
-        part after part, with its ``Content-Length`` (not chunked).
+        """``POST /v1/chat/completions``. An :class:`EncodedJson` body is sent part after
+        part as it is written, with its ``Content-Length`` (not chunked).
 
         Raises:
             EngineUnavailable: transport error or a 5xx answer (the engine may be sick);
