@@ -35,6 +35,8 @@ from typing import Any
 
 import httpx
 
+from chandrad.engine.client import SCHEDULER_SERIES, parse_metrics
+
 CHAT = "/v1/chat/completions"
 _SERIES = re.compile(r'^([a-zA-Z0-9_:]+)(\{[^}]*\})?\s+([0-9.eE+\-]+)$')
 
@@ -57,12 +59,9 @@ def engine_sample(client: httpx.Client) -> tuple[float | None, float | None]:
         if reply.status_code == 200:
             http = float(reply.json()["server_load"])
     with contextlib.suppress(httpx.HTTPError):
-        text = client.get("/metrics").text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-                total += float(line.rsplit(" ", 1)[1])
-        scheduler = total
+        # The series by name, as the supervisor reads them: a prefix also matched
+        # ``vllm:num_requests_waiting_by_reason``, counting the waiting twice.
+        scheduler = sum(parse_metrics(client.get("/metrics").text, SCHEDULER_SERIES).values())
     return http, scheduler
 
 
