@@ -334,7 +334,7 @@ class _LazyPage:
     """
 
     def __init__(self, page: bytes | PageImage) -> None:
-        self._png: bytes | None
+        self._png: bytes
         if isinstance(page, PageImage):
             self.size = (page.width, page.height)
             self._png = page.png
@@ -426,7 +426,7 @@ def parse_page(
 
     Never raises on bad model output: each conversion that fails leaves its part empty
     and adds a note. ``bbox`` values are in the page's pixels. ``page``: the page's PNG,
-    or a :class:`PageImage` (its PNG in base64, decoded only for a crop, or its size alone).
+    or a :class:`PageImage` (its PNG, inflated only for a crop, or its size alone).
     """
     from chandra.output import extract_images, parse_chunks, parse_html
     from chandra.settings import settings as chandra_settings
