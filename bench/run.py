@@ -209,14 +209,13 @@ async def measure_render(docs: list[Doc], ocr_cfg: OcrConfig
         workers = _proc.children(os.getpid())
         cpu0 = _proc.tree_cpu_seconds(workers) + time.process_time()
         t0 = time.perf_counter()
-        shipped = await asyncio.gather(*(
+        pages = await asyncio.gather(*(
             pool.render(d.path, i, ocr_cfg.render_min_side, ocr_cfg.max_pixels)
             for d in docs for i in range(d.pages)))
         seconds = time.perf_counter() - t0
         cpu = _proc.tree_cpu_seconds(workers) + time.process_time() - cpu0
     finally:
         pool.close()
-    pages = shipped
     pixels = sum(p.width * p.height for p in pages)
     return ({"pages": len(pages), "seconds": round(seconds, 3),
              "pages_per_s": rate(len(pages), seconds), "workers": pool.workers,

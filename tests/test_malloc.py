@@ -1,7 +1,7 @@
 """The daemon's allocator setting does what its comment says, in a real process.
 
 ``chandrad.daemon.core`` sets glibc's mmap threshold at start so that page images
-(~0.6 MB of base64 each) are mapped apart and unmapped when freed, instead of coming
+(~0.47 MB of PNG each) are mapped apart and unmapped when freed, instead of coming
 from the heap, which keeps freed memory. Each check runs in a fresh interpreter (the
 setting lasts for the process) and reads glibc's own account (``mallinfo2``: bytes in
 mapped blocks) with 150 page-sized blocks alive, then freed. The control, glibc's

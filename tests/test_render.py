@@ -699,6 +699,12 @@ def test_worker_slots_go_to_post_processing_before_renders() -> None:
 #: The corpus pages that cost a worker the most memory (issue 11): a 2550x3300 RGB scan
 #: with a soft mask (MuPDF holds image, mask, RGBA and scaled copies at once), a 300 dpi
 #: colour JPEG and a bilevel TIFF spread.
+def _status_mb(pid: int, field: str) -> float:
+    """A memory figure of /proc/PID/status (``VmHWM``, ``RssAnon``, ...) in MB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split(f"{field}:")[1].split()[0]) / 1024
+
+
 HEAVY_PAGES = ["scan_us-supreme-court-opinion.pdf", "image_brochure-colour-300dpi_linn.jpg",
                "image_receipt-like-lottery-tickets.tif", "image_hi-devanagari.png"]
 WORKER_RSS_LIMIT_MB = 200
@@ -717,8 +723,7 @@ def test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages() -> None
         try:
             crops = 0
             for name in HEAVY_PAGES:
-                page = await pool.render(CORPUS_DIR / "good" / name, 0, None,
-                                                     MAX_PIXELS)
+                page = await pool.render(CORPUS_DIR / "good" / name, 0, None, MAX_PIXELS)
                 result = await pool.postprocess(PLANTED_TEXT, "stop", page,
                                                 include_images=True,
                                                 include_headers_footers=False)
@@ -726,8 +731,7 @@ def test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages() -> None
                 crops += len(result.images)
             hwm = []
             for pid in _worker_pids():
-                status = Path(f"/proc/{pid}/status").read_text()
-                hwm.append(int(status.split("VmHWM:")[1].split()[0]) // 1024)
+                hwm.append(int(_status_mb(pid, "VmHWM")))
             return hwm, crops
         finally:
             pool.close()
@@ -738,9 +742,6 @@ def test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages() -> None
     assert hwm[0] <= WORKER_RSS_LIMIT_MB, f"worker VmHWM {hwm[0]} MB"
 
 
-def _rss_anon_mb(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("RssAnon:")[1].split()[0]) / 1024
 
 
 def test_a_worker_holds_no_pixels_of_a_one_frame_image_after_its_page() -> None:
@@ -757,9 +758,9 @@ def test_a_worker_holds_no_pixels_of_a_one_frame_image_after_its_page() -> None:
         try:
             await pool.render(small, 0, None, MAX_PIXELS)
             (pid,) = _worker_pids()
-            before = _rss_anon_mb(pid)
+            before = _status_mb(pid, "RssAnon")
             await pool.render(big, 0, None, MAX_PIXELS)
-            return before, _rss_anon_mb(pid)
+            return before, _status_mb(pid, "RssAnon")
         finally:
             pool.close()
 
@@ -804,8 +805,7 @@ def _worker_faults(pool_env: str | None) -> int:
             (pid,) = _worker_pids()
             before = _minor_faults(pid)
             for name in HEAVY_PAGES[:2]:
-                page = await pool.render(CORPUS_DIR / "good" / name, 0, None,
-                                                     MAX_PIXELS)
+                page = await pool.render(CORPUS_DIR / "good" / name, 0, None, MAX_PIXELS)
                 await pool.postprocess(PLANTED_TEXT, "stop", page, include_images=True,
                                        include_headers_footers=False)
             return _minor_faults(pid) - before
