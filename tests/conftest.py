@@ -97,3 +97,19 @@ def vllm_python() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return Path(sys.executable)
+
+
+@pytest.fixture(scope="session")
+def as_nobody() -> list[str]:
+    """The command prefix that runs a client as user ``nobody`` (a second uid, for the
+    control socket's permission tiers); skips where that cannot run chandrad: not root,
+    no such user, or a checkout (or interpreter) ``nobody`` cannot read, such as a clone
+    inside a ``mktemp -d`` directory (mode 0700)."""
+    if os.geteuid() != 0:
+        pytest.skip("permission tiers need root to run a client as another uid")
+    prefix = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import chandrad.ctl.main"],
+                           capture_output=True, text=True, cwd="/", check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"user nobody cannot run {sys.executable}: {probe.stderr.strip()[-200:]}")
+    return prefix

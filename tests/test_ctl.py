@@ -32,8 +32,6 @@ from chandrad.ctl import client
 from chandrad.ctl.client import resolve_socket
 from chandrad.ctl.render import render
 
-NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-
 
 def ctl(sock: Path | None, *argv: str, user: list[str] | None = None,
         env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -59,17 +57,6 @@ def public_dir() -> Iterator[Path]:
 def server(public_dir: Path) -> Iterator[ServerThread]:
     with ServerThread(public_dir / "control.sock") as st:
         yield st
-
-
-@pytest.fixture(scope="module")
-def as_nobody() -> list[str]:
-    if os.geteuid() != 0:
-        pytest.skip("permission tiers need root to run a client as another uid")
-    probe = subprocess.run([*NOBODY, sys.executable, "-c", "import chandrad.ctl.main"],
-                           capture_output=True, text=True, cwd="/", check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"user nobody cannot run {sys.executable}: {probe.stderr.strip()[-200:]}")
-    return NOBODY
 
 
 @pytest.fixture
