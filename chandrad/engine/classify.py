@@ -84,6 +84,13 @@ class FailureClass(StrEnum):
     GPU_MEMORY_UTILIZATION_TOO_HIGH = "gpu_memory_utilization_too_high"
     CUDA_OOM_RUNTIME = "cuda_oom_runtime"
     HOST_OOM = "host_oom"
+    #: vLLM refused max_num_seqs above its pool of Mamba-state blocks (hybrid models).
+    MAMBA_CACHE_INSUFFICIENT = "mamba_cache_insufficient"
+    #: Requests in flight and no progress for engine.progress_timeout (found by the
+    #: supervisor, not in the engine's lines).
+    ENGINE_HUNG = "engine_hung"
+    #: The engine exited without being asked to, whatever its status (0 included).
+    ENGINE_EXITED = "engine_exited"
     OTHER_FATAL = "other_fatal"
     NONE = "none"
 
@@ -813,6 +820,15 @@ _ACTIONS: dict[FailureClass, str] = {
     FailureClass.HOST_OOM: (
         "host RAM ran out: restart with a smaller mm_processor_cache_gb and fewer concurrent "
         "renders, or give the machine more memory"
+    ),
+    FailureClass.MAMBA_CACHE_INSUFFICIENT: (
+        "restart with max_num_seqs lowered to the Mamba cache blocks vLLM names"
+    ),
+    FailureClass.ENGINE_HUNG: (
+        "restart the engine; its requests go back to the queue uncharged"
+    ),
+    FailureClass.ENGINE_EXITED: (
+        "restart with backoff, same profile; an engine that keeps exiting ends fatal"
     ),
     FailureClass.OTHER_FATAL: "restart with backoff without changing memory settings",
     FailureClass.NONE: "nothing to do",
