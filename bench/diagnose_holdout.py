@@ -84,6 +84,7 @@ MEMORY_CLASSES = frozenset(
         FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH,
         FailureClass.CUDA_OOM_RUNTIME,
         FailureClass.HOST_OOM,
+        FailureClass.MAMBA_CACHE_INSUFFICIENT,
     }
 )
 ORDER = [c for c in FailureClass]
@@ -94,6 +95,9 @@ SHORT = {
     FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH: "gmu",
     FailureClass.CUDA_OOM_RUNTIME: "run",
     FailureClass.HOST_OOM: "host",
+    FailureClass.MAMBA_CACHE_INSUFFICIENT: "mamba",
+    FailureClass.ENGINE_HUNG: "hung",
+    FailureClass.ENGINE_EXITED: "exited",
     FailureClass.OTHER_FATAL: "other",
     FailureClass.NONE: "none",
 }

@@ -178,6 +178,38 @@ def test_illegal_memory_access_is_not_an_oom() -> None:
     assert (d.cls, d.subclass) == (FailureClass.OTHER_FATAL, "illegal_memory_access")
 
 
+_MAMBA_CASES = {c["id"]: c for c in CASES if c["label"] == "mamba_cache_insufficient"}
+
+
+@pytest.mark.parametrize(
+    ("case_id", "evidence_start"),
+    [
+        ("mamba-tpl-engine-start", "ValueError: max_num_seqs (1024) exceeds"),
+        ("mamba-tp-worker-quoted", "ValueError: max_num_seqs (256) exceeds"),
+        ("mamba-executor-quote-only", "RuntimeError: Worker failed with error 'max_num_seqs"),
+    ],
+)
+def test_mamba_limit_names_the_valueerror_not_the_runtimeerror(
+    case_id: str, evidence_start: str
+) -> None:
+    """vLLM's Mamba-cache refusal is the evidence, not the "Engine core initialization
+    failed" RuntimeError below it, with the requested and available figures and the
+    Mamba remedy; LineScanner reports it at that line and finishes with it."""
+    text = _MAMBA_CASES[case_id]["text"]
+    d = classify(text, exit_code=1)
+    assert d.cls is FailureClass.MAMBA_CACHE_INSUFFICIENT, d
+    assert evidence_start in d.evidence, d
+    assert set(d.numbers) == {"max_num_seqs", "mamba_cache_blocks"}
+    assert d.numbers["max_num_seqs"] > d.numbers["mamba_cache_blocks"]
+    assert "max_num_seqs" in d.action and d.restartable
+    scanner = LineScanner()
+    hits = [h for h in map(scanner.feed, text.splitlines()) if h is not None]
+    assert [h.evidence for h in hits if h.cls is FailureClass.MAMBA_CACHE_INSUFFICIENT] == [
+        d.evidence
+    ]
+    assert scanner.finish(exit_code=1, was_ready=False) == d
+
+
 def _cpu_log_expectation(name: str) -> FailureClass | None:
     for key, cls in (
         ("kv", FailureClass.KV_CACHE_INSUFFICIENT),

@@ -12,12 +12,15 @@ How it decides, in order of strength:
    noted. A line logged at INFO, DEBUG or WARNING never proves a failure: vLLM prints
    plenty of benign lines that mention memory, KV cache and even OOM hints.
 2. vLLM's own failure messages (templates in ``vllm/v1/core/kv_cache_utils.py``,
-   ``vllm/v1/worker/utils.py``, ``gpu_worker.py``, ``gpu_model_runner.py``, and V0's
-   ``worker/worker.py``) name their class directly: KV cache insufficient, free memory
-   below the requested utilisation, memory profiling error, OOM while warming up /
-   loading. A KV message cut off by the paste is still known by the frame that raises it
-   (``_check_enough_kv_cache_memory``, ``raise_if_cache_size_invalid``) or by V0's INFO
-   line just before it (``# GPU blocks: 0``, a negative KV budget).
+   ``vllm/v1/worker/utils.py``, ``gpu_worker.py``, ``gpu_model_runner.py``,
+   ``vllm/config/compilation.py``, and V0's ``worker/worker.py``) name their class
+   directly: a hybrid model's ``max_num_seqs`` above its Mamba cache blocks (checked
+   first: it runs after the KV cache was sized, so it is the cause whatever KV lines
+   precede it), KV cache insufficient, free memory below the requested utilisation,
+   memory profiling error, OOM while warming up / loading. A KV message cut off by the
+   paste is still known by the frame that raises it (``_check_enough_kv_cache_memory``,
+   ``raise_if_cache_size_invalid``) or by V0's INFO line just before it (``# GPU blocks:
+   0``, a negative KV budget).
 3. A device OOM, in any of its wordings (PyTorch's caching-allocator message old and new,
    ``torch.OutOfMemoryError``, driver ``CUDA_ERROR_OUT_OF_MEMORY``, runtime
    ``cudaErrorMemoryAllocation`` / "CUDA runtime error (2) : out of memory", "CUDA driver
@@ -303,6 +306,13 @@ _KV_INFO = re.compile(
     r"|Maximum concurrency for [\d,]+ tokens per request: 0\.\d+x",
     _I,
 )
+# Hybrid models (Mamba / Gated DeltaNet layers): vLLM refuses max_num_seqs above its pool of
+# Mamba-state blocks (vllm/config/compilation.py, since vllm-project/vllm#38270). Raised in
+# a worker, it is quoted again by the executor ("Worker failed with error 'max_num_seqs …'").
+# Its second sentence, for a paste that lost the first: looked for only when no line holds
+# (or a hard wrap splits) the first.
+_MAMBA = re.compile(r"exceeds available Mamba cache\s+blocks", _I)
+_MAMBA_TAIL = re.compile(r"Each decode sequence requires one Mamba cache block", _I)
 _GMU = re.compile(
     r"Free memory on device.{0,80}?on startup\s+is less than"
     r"|Error in memory profiling"
@@ -1090,8 +1100,24 @@ def _gmu_numbers(text: str) -> dict[str, float]:
     return n
 
 
+def _mamba_numbers(text: str) -> dict[str, float]:
+    n: dict[str, float] = {}
+    _put(n, "max_num_seqs", _int_after(r"max_num_seqs", text))
+    _put(n, "mamba_cache_blocks", _int_after(r"Mamba cache\s+blocks", text))
+    _put(n, "mamba_cache_blocks", _int_after(r"lower max_num_seqs to at most", text))
+    return n
+
+
 def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) -> Diagnosis:
-    # 1. vLLM's own memory messages name their class.
+    # 1. vLLM's own memory messages name their class. The Mamba-state check runs after the
+    # KV cache was sized, so its message is the cause whatever KV lines precede it.
+    i = _find_message(lines, _MAMBA)
+    if i < 0:
+        i = _find_message(lines, _MAMBA_TAIL)
+    if i >= 0:
+        return _make(
+            FailureClass.MAMBA_CACHE_INSUFFICIENT, lines[i], _mamba_numbers(_window(lines, i))
+        )
     i = _find_message(lines, _KV_NO_MEMORY)
     if i < 0:
         i = _find_message(lines, _KV_MAX_SEQ)
@@ -1323,6 +1349,8 @@ _TRIGGER = re.compile(
     "|".join(
         p.pattern
         for p in (
+            _MAMBA,
+            _MAMBA_TAIL,
             _KV_NO_MEMORY,
             _KV_MAX_SEQ,
             _KV_FRAMES,
@@ -1372,3 +1400,8 @@ class LineScanner:
     def lines(self) -> Iterable[str]:
         """The bounded tail, as quoted evidence lines."""
         return (ln.raw for ln in self._tail)
+
+
+def action_for(cls: FailureClass) -> str:
+    """What chandrad does about a failure of class ``cls`` (the ``action`` of its verdict)."""
+    return _ACTIONS[cls]
