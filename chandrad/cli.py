@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
-from chandrad import __version__, config, errors
+from chandrad import __version__, config, errors, systemd
 from chandrad.engine import command, launch, replicas
 from chandrad.engine.profile import MemoryProfile, initial_profile
 
@@ -59,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
                              help="with --gpu-memory: how many such GPUs the host has")
             one.add_argument("--json", action="store_true",
                              help="print {engine: {argv, env}, profile, problems} as JSON")
+            one.add_argument("--unit", type=Path, default=None, metavar="PATH",
+                             help="also check what this systemd unit's sandbox refuses "
+                             "(folders outside ReadWritePaths=, a control group its User= "
+                             "is not in); default: the installed chandrad.service when "
+                             f"checking {config.DEFAULT_CONFIG_PATH}")
     text = ("run the daemon's pipeline and supervised engine once over files and folders, "
             "with a progress bar; exit 0 when every file is done, 1 when some failed, "
             "130 when interrupted (run it again to resume)")
@@ -220,8 +225,9 @@ def _check_config(args: argparse.Namespace) -> int:
     engine = cfg.engine
     say = (lambda *_: None) if args.json else print
     say(f"config {path}: syntax, keys, types and ranges OK")
+    unit_problems = _unit_problems(cfg, args.unit, path, say)
     if not engine.supervised:
-        problems = _url_problems(engine.url)
+        problems = unit_problems + _url_problems(engine.url)
         say(f"engine: remote at {engine.base_url} (engine.url); chandrad supervises no "
             "engine, so there is no engine command line to check")
         return _finish(problems, path, started, report={"engine": None, "profile": None}
@@ -243,7 +249,7 @@ def _check_config(args: argparse.Namespace) -> int:
     first = specs[0]
     cmd = command.build_engine_command(first.engine, profile, base_env=os.environ,
                                        cpus=first.cpus)
-    problems = plan_problems + command.validate_engine_args(cmd.flags)
+    problems = unit_problems + plan_problems + command.validate_engine_args(cmd.flags)
     problems += _model_problems(engine, path)
     warnings = _vllm_warnings(profile.chandra_launch)
     if preview and sizing is None:
@@ -285,6 +291,24 @@ def _check_config(args: argparse.Namespace) -> int:
                 "previewed": preview, "chandra_gpu": launch.chandra_gpu(gib or 0.0)},
         }
     return _finish(problems, path, started, report=report, warnings=warnings)
+
+
+def _unit_problems(cfg: config.Config, unit: Path | None, path: Path,
+                   say: Callable[..., None]) -> list[errors.ConfigProblem]:
+    """What the unit's sandbox refuses: ``--unit``'s, else the installed unit's when the
+    config checked is the one it runs."""
+    if unit is None and path.absolute() == config.DEFAULT_CONFIG_PATH:
+        unit = next((p for p in systemd.UNIT_PATHS if p.is_file()), None)
+    if unit is None:
+        return []
+    try:
+        sandbox = systemd.read_unit(unit)
+    except OSError as exc:
+        return [errors.ConfigProblem("--unit", f"cannot read {unit}: {exc.strerror}")]
+    problems = systemd.unit_problems(cfg, sandbox)
+    if not problems:
+        say(f"unit {unit}: every folder is writable in its sandbox; control group OK")
+    return problems
 
 
 def _model_problems(engine: config.EngineConfig, path: Path) -> list[errors.ConfigProblem]:

@@ -12,7 +12,9 @@ same processors, and one handler renders every record as
   datagram goes as a sealed memfd, as the native protocol prescribes; if journald cannot
   be reached the record is written as a JSON line to the stream instead;
 * ``json``: one JSON object per line;
-* ``console``: structlog's readable console lines.
+* ``console``: structlog's readable console lines, without the engine's access-log lines
+  for requests that succeeded (``GET /health`` every few seconds, ``/metrics``, one
+  ``POST`` per page: :class:`QuietAccessLog`); journal and json keep every line.
 """
 
 from __future__ import annotations
@@ -68,6 +70,24 @@ _MESSAGE_VALUE_CHARS = 160
 _NOISY_LOGGERS = ("httpx", "httpcore", "watchdog", "urllib3", "asyncio", "filelock")
 
 _MARK = "_chandrad_handler"
+
+#: A uvicorn access-log line as vLLM prints it, e.g.
+#: ``(APIServer pid=7) INFO:     127.0.0.1:40894 - "GET /health HTTP/1.1" 200 OK``.
+_ACCESS_LINE = re.compile(r' - "[A-Z]+ \S* HTTP/[0-9.]+" [23][0-9][0-9]\b')
+
+
+class QuietAccessLog(logging.Filter):
+    """Drops ``engine_line`` records that are access-log lines of successful requests.
+
+    On a terminal they are nearly all there is (a health poll every 5 s, a scrape, a
+    request per page); a failed request (4xx, 5xx) still shows.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        event = record.msg
+        if isinstance(event, dict) and event.get("event") == Event.ENGINE_LINE:
+            return not _ACCESS_LINE.search(str(event.get("line", "")))
+        return True
 
 
 def field_name(key: str) -> str:
@@ -294,6 +314,7 @@ def configure_logging(
     else:
         handler = logging.StreamHandler(out)
         final += [_drop_callsite, structlog.dev.ConsoleRenderer(colors=out.isatty())]
+        handler.addFilter(QuietAccessLog())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(processors=final, foreign_pre_chain=shared)
     )

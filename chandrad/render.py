@@ -686,10 +686,30 @@ class _Slots:
         self.free += 1
 
 
+#: Every pool of this process, to know whether another one still runs.
+_POOLS: weakref.WeakSet[RenderPool] = weakref.WeakSet()
+
+
 def _worker_processes(executor: ProcessPoolExecutor) -> list[multiprocessing.Process]:
     """The executor's worker processes: ProcessPoolExecutor has no public way to reach
     them (to stop a busy one, or to see that one died) before Python 3.14."""
     return list((getattr(executor, "_processes", None) or {}).values())
+
+
+def _stop_resource_tracker() -> None:
+    """Stop and reap multiprocessing's resource tracker.
+
+    The first pool starts it as this process's child; it outlives the pool and, left
+    alone, is still alive when the daemon exits, so systemd SIGKILLs it ("Killing
+    process … with signal SIGKILL") at every stop. Closing its pipe ends it; the next
+    pool starts a new one. Only when no other pool is running: their workers hold the
+    pipe too, and the tracker would not see its end.
+    """
+    from multiprocessing import resource_tracker
+
+    tracker: Any = resource_tracker._resource_tracker  # no public stop before Python 3.14
+    with contextlib.suppress(Exception):
+        tracker._stop()
 
 
 class RenderPool:
@@ -720,6 +740,7 @@ class RenderPool:
         self._free_loop: asyncio.AbstractEventLoop | None = None
         #: Pools killed on purpose (a call overran its timeout), not broken by a crash.
         self._killed: weakref.WeakSet[ProcessPoolExecutor] = weakref.WeakSet()
+        _POOLS.add(self)
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
@@ -854,7 +875,11 @@ class RenderPool:
         return info
 
     def close(self) -> None:
-        """Stop the workers; a later call starts a fresh pool."""
+        """Stop the workers (and the resource tracker, when no other pool runs); a later
+        call starts a fresh pool."""
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+            del executor  # its queues' semaphores unregister before the tracker stops
+            if not any(pool._executor is not None for pool in _POOLS):
+                _stop_resource_tracker()

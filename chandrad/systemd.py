@@ -9,16 +9,28 @@ file such as ``東京.pdf`` (bb4242/sdnotify#9), so it is not used. Without ``NO
 every call is a no-op, so the daemon runs the same in a terminal. Keeping the unit's
 variables out of children's environments is the child's builder's job
 (:func:`chandrad.engine.command.scrub_systemd_env`, pure, below this adapter).
+
+It also reads the installed unit file (:func:`read_unit`) so that ``chandrad check-config
+--unit`` finds what the unit's sandbox will refuse before systemd does
+(:func:`unit_problems`): a folder outside ``ReadWritePaths=``, a ``[control] group``
+the service user is not in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import grp
 import logging
 import os
+import pwd
 import socket
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from chandrad.config import Config
+from chandrad.errors import ConfigProblem
 
 _log = logging.getLogger(__name__)
 
@@ -179,3 +191,135 @@ class WatchdogPinger:
                 self._progressed = False
                 self._notifier.watchdog()
                 self.pings += 1
+
+
+# ---------------------------------------------------------------- the installed unit
+
+#: Where ``check-config --unit`` looks for the installed unit (install.sh writes the first).
+UNIT_PATHS = (Path("/etc/systemd/system/chandrad.service"),
+              Path("/usr/lib/systemd/system/chandrad.service"),
+              Path("/lib/systemd/system/chandrad.service"))
+
+#: ``ProtectHome=`` hides or freezes these (yes, read-only, tmpfs).
+_HOME_TREES = (Path("/home"), Path("/root"), Path("/run/user"))
+#: Where systemd puts ``StateDirectory=`` and friends for a system service.
+_DIRECTORY_ROOTS = {"StateDirectory": Path("/var/lib"), "RuntimeDirectory": Path("/run"),
+                    "CacheDirectory": Path("/var/cache"), "LogsDirectory": Path("/var/log")}
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSandbox:
+    """What of a unit's ``[Service]`` decides whether chandrad's config can work under it."""
+
+    path: Path
+    user: str = ""
+    group: str = ""
+    supplementary: tuple[str, ...] = ()
+    #: ``ProtectSystem=strict``: everything but ``writable`` is read-only.
+    strict: bool = False
+    protect_home: bool = False
+    writable: tuple[Path, ...] = ()
+    #: Whether the ``SystemCallFilter=`` lines, in order, leave ``chown`` allowed.
+    chown_allowed: bool = True
+
+
+def read_unit(path: Path) -> UnitSandbox:
+    """Parse the ``[Service]`` settings :func:`unit_problems` needs (later lines win,
+    list settings accumulate, an empty assignment resets, as systemd reads them)."""
+    user = group = ""
+    supplementary: list[str] = []
+    writable: list[Path] = []
+    strict = protect_home = False
+    chown_allowed = True
+    section = ""
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        if section != "[Service]" or "=" not in line:
+            continue
+        key, _, value = (part.strip() for part in line.partition("="))
+        words = value.split()
+        if key == "User":
+            user = value
+        elif key == "Group":
+            group = value
+        elif key == "SupplementaryGroups":
+            supplementary = supplementary + words if words else []
+        elif key == "ProtectSystem":
+            strict = value == "strict"
+        elif key == "ProtectHome":
+            protect_home = value in ("yes", "true", "read-only", "tmpfs")
+        elif key == "ReadWritePaths":
+            writable = writable + [Path(w.lstrip("-+")) for w in words] if words else []
+        elif key in _DIRECTORY_ROOTS:
+            writable += [_DIRECTORY_ROOTS[key] / w.split(":")[0] for w in words]
+        elif key == "SystemCallFilter":
+            deny = value.startswith("~")
+            names = set(value.lstrip("~").split())
+            if deny and names & {"@privileged", "@chown"}:
+                chown_allowed = False
+            elif not deny and names & {"@chown", "@system-service"}:
+                chown_allowed = True
+    return UnitSandbox(path, user, group, tuple(supplementary), strict, protect_home,
+                       tuple(writable), chown_allowed)
+
+
+def _within(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def _member(user: str, group: str, unit: UnitSandbox) -> str | None:
+    """None when ``user`` (as the unit runs it) holds ``group``, else why not."""
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        return f"group {group!r} does not exist (systemd-sysusers creates chandrad-ctl)"
+    if group == unit.group or group in unit.supplementary:
+        return None
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return f"the unit's User={user} does not exist (run systemd-sysusers)"
+    if gid in os.getgrouplist(entry.pw_name, entry.pw_gid):
+        return None
+    return (f"the unit's User={user} is not a member of {group!r}, so the socket cannot "
+            f"be given that group (exit 78 under {unit.path}): `m {user} {group}` in "
+            "sysusers.d, or SupplementaryGroups=")
+
+
+def unit_problems(cfg: Config, unit: UnitSandbox) -> list[ConfigProblem]:
+    """What ``unit``'s sandbox would refuse in ``cfg``: a folder chandrad writes that is
+    read-only or hidden in the unit's mount namespace, a control group it cannot set."""
+    problems: list[ConfigProblem] = []
+    folders: list[tuple[str, Path]] = [("daemon.state_dir", cfg.daemon.state_dir)]
+    for i, watch in enumerate(cfg.watch):
+        folders += [(f"watch[{i}].{name}", getattr(watch, name))
+                    for name in ("input", "output", "done", "failed")]
+    for key, folder in folders:
+        if unit.protect_home and _within(folder, _HOME_TREES):
+            problems.append(ConfigProblem(
+                key, f"{folder} is under a tree ProtectHome= hides from the service "
+                f"({unit.path}); move it, or override ProtectHome= in a drop-in",
+                code="config_sandbox"))
+        elif unit.strict and not _within(folder, unit.writable):
+            allowed = " ".join(map(str, unit.writable)) or "nothing"
+            problems.append(ConfigProblem(
+                key, f"{folder} is read-only for the service: ProtectSystem=strict and "
+                f"it is outside ReadWritePaths=/StateDirectory= of {unit.path} ({allowed}); "
+                "use a folder there, or add it with a drop-in "
+                "(systemctl edit chandrad: ReadWritePaths=...)", code="config_sandbox"))
+    group = cfg.control.group
+    if group and unit.user:
+        why = _member(unit.user, group, unit)
+        if why is not None:
+            problems.append(ConfigProblem("control.group", why, code="config_sandbox"))
+        elif not unit.chown_allowed:
+            problems.append(ConfigProblem(
+                "control.group", f"{unit.path}'s SystemCallFilter= forbids chown, so the "
+                "socket cannot be given that group; add SystemCallFilter=@chown after the "
+                "~@privileged line", code="config_sandbox"))
+    return problems

@@ -256,6 +256,31 @@ def test_console_is_readable_without_callsite_noise() -> None:
     assert "pathname" not in text and "{" not in text
 
 
+def test_console_leaves_out_successful_engine_access_lines() -> None:
+    """On a terminal, vLLM's access-log lines of successful requests (the health poll every
+    5 s, /metrics, a POST per page) are left out; a failed request and other engine lines
+    show; JSON (and so the journal) keeps them all."""
+    lines = [
+        '(APIServer pid=7) INFO:     127.0.0.1:40894 - "GET /health HTTP/1.1" 200 OK',
+        'INFO:     127.0.0.1:40900 - "GET /metrics HTTP/1.1" 200 OK',
+        'INFO:     127.0.0.1:40902 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+        'INFO:     127.0.0.1:40904 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Error',
+        "INFO 12-05 22:01:02 [gpu_model_runner.py:1] Loading weights took 3.1 seconds",
+    ]
+    shown = {}
+    for fmt in ("console", "json"):
+        out = io.StringIO()
+        configure_logging(fmt, "info", stream=out)
+        log = get_logger("chandrad.engine")
+        for line in lines:
+            log.info(Event.ENGINE_LINE, source="vllm", stream="stderr", line=line)
+        shown[fmt] = out.getvalue()
+    assert "/health" not in shown["console"] and "/metrics" not in shown["console"]
+    assert "200 OK" not in shown["console"]
+    assert "500 Internal Error" in shown["console"] and "Loading weights" in shown["console"]
+    assert len(shown["json"].splitlines()) == len(lines)
+
+
 def test_auto_detects_journal_stream_tty_and_pipe(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -304,5 +304,5 @@ def test_tmpfiles_creates_setgid_shared_trees(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     for sub in ("inbox", "output", "done", "failed"):
-        assert stat.S_IMODE((root / "srv/chandra" / sub).stat().st_mode) == 0o2775, sub
+        assert stat.S_IMODE((root / "srv/chandrad" / sub).stat().st_mode) == 0o2775, sub
     assert stat.S_IMODE((root / "etc/chandrad").stat().st_mode) == 0o750

@@ -48,6 +48,10 @@ class Reloader:
         self._waiting: list[Command] = []
         #: What the running reload waits for, for the status line ("" when none does).
         self.phase = ""
+        #: Why the last reload was refused, until one applies: the status line leads with
+        #: it (``STATUS=reload failed: …``), so ``systemctl status`` shows the old config
+        #: still runs. "" after a reload that applied.
+        self.refused = ""
 
     def request(self, command: Command) -> None:
         """Queue a reload the main loop took off the command queue."""
@@ -146,6 +150,8 @@ class Reloader:
     def _refuse(self, previous: DaemonState, problems: list[str], message: str) -> ControlError:
         """Log the refusal, go back to the previous state; the error to answer with."""
         log.error(Event.CONFIG_RELOAD_REFUSED, problems=problems)
+        # Cut so the line still shows the daemon's state after it (STATUS= holds 400).
+        self.refused = " ".join(("; ".join(problems) or message).split())[:200]
         self._end(previous, "reload refused")
         self.daemon.notifier.ready(self.daemon.status_line())
         return ControlError("invalid_state", "new config refused, old one kept:\n" + message)
@@ -197,6 +203,7 @@ class Reloader:
         daemon.pipeline.config = new
         if watches_changed:
             await daemon.restart_watcher()
+        self.refused = ""
         self._end(previous, "reloaded")
         daemon.notifier.ready(daemon.status_line())
         log.info(Event.CONFIG_RELOADED, engine_restart=restart, watches_changed=watches_changed)

@@ -66,6 +66,10 @@ def status_line(daemon: Daemon) -> str:
         line += f"; METRICS OFF: {daemon.metrics_listener.error}"
     if daemon.state is DaemonState.RELOADING and daemon.reloader.phase:
         line += f"; reload: {daemon.reloader.phase}"
+    if daemon.pipeline and daemon.pipeline.store_full:  # the way out, before the line is cut
+        line = f"STORE FULL: {daemon.pipeline.store_full}; {line}"
+    if daemon.reloader.refused:  # first: systemd's STATUS= is cut at its end
+        line = f"reload failed: {daemon.reloader.refused} (old config kept); {line}"
     return line
 
 
