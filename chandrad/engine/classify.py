@@ -16,8 +16,10 @@ How it decides, in order of strength:
    ``vllm/config/compilation.py``, and V0's ``worker/worker.py``) name their class
    directly: a hybrid model's ``max_num_seqs`` above its Mamba cache blocks (checked
    first: it runs after the KV cache was sized, so it is the cause whatever KV lines
-   precede it), KV cache insufficient, free memory below the requested utilisation,
-   memory profiling error, OOM while warming up / loading. A KV message cut off by the
+   precede it; before vLLM had that check, 0.17.x, the Mamba conv kernel's bare ``assert
+   num_cache_lines >= batch`` during CUDA graph capture, with no figures), KV cache
+   insufficient, free memory below the requested utilisation, memory profiling error, OOM
+   while warming up / loading. A KV message cut off by the
    paste is still known by the frame that raises it (``_check_enough_kv_cache_memory``,
    ``raise_if_cache_size_invalid``) or by V0's INFO line just before it (``# GPU blocks:
    0``, a negative KV budget).
@@ -313,6 +315,10 @@ _KV_INFO = re.compile(
 # (or a hard wrap splits) the first.
 _MAMBA = re.compile(r"exceeds available Mamba cache\s+blocks", _I)
 _MAMBA_TAIL = re.compile(r"Each decode sequence requires one Mamba cache block", _I)
+# Before that check (vLLM 0.17.x, the pinned release) the same condition fails CUDA graph
+# capture inside the Mamba conv kernel's bare assertion, with no figures: the decode batch
+# (up to max_num_seqs) has more sequences than the pool has Mamba-state blocks ("cache lines").
+_MAMBA_ASSERT = re.compile(r"assert num_cache_lines >= batch\b")
 _GMU = re.compile(
     r"Free memory on device.{0,80}?on startup\s+is less than"
     r"|Error in memory profiling"
@@ -1114,6 +1120,8 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     i = _find_message(lines, _MAMBA)
     if i < 0:
         i = _find_message(lines, _MAMBA_TAIL)
+    if i < 0:
+        i = _find(lines, _MAMBA_ASSERT)
     if i >= 0:
         return _make(
             FailureClass.MAMBA_CACHE_INSUFFICIENT, lines[i], _mamba_numbers(_window(lines, i))
@@ -1351,6 +1359,7 @@ _TRIGGER = re.compile(
         for p in (
             _MAMBA,
             _MAMBA_TAIL,
+            _MAMBA_ASSERT,
             _KV_NO_MEMORY,
             _KV_MAX_SEQ,
             _KV_FRAMES,
