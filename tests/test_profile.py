@@ -199,3 +199,88 @@ def test_profile_round_trips_through_dict() -> None:
     """Learned profiles are stored as dicts and come back equal; unknown keys are ignored."""
     p = MemoryProfile(max_model_len=18000, expandable_segments=True)
     assert MemoryProfile.from_dict({**p.to_dict(), "future_knob": 1}) == p
+
+
+# ------------------------------------------------------------------ one step from the numbers
+# (issue 28; restarts to ready per class: tests/test_ladder_restarts.py)
+
+ISSUE_KV = {"max_model_len": 18000.0, "needed_gib": 2.06, "available_gib": 1.2,
+            "estimated_max_model_len": 10480.0}
+
+
+def test_kv_numbers_raise_utilization_by_exactly_what_is_missing() -> None:
+    """The card has the memory: 0.85 + (2.06 − 1.20)/79.19 + 0.01 = 0.8709 → 0.88, in one
+    step, max_model_len kept (the old ladder asked for +0.05 whatever was missing)."""
+    p = MemoryProfile(gpu_memory_utilization=0.85, max_model_len=18000)
+    new = step(p, "kv_cache_insufficient", ISSUE_KV, gpu=GpuFacts(79.19, 78.6))
+    assert new == p.with_changes(gpu_memory_utilization=0.88)
+    # A large shortfall takes the whole of it at once, not 0.05 a restart.
+    big = step(p, "kv_cache_insufficient", {**ISSUE_KV, "needed_gib": 7.2},
+               gpu=GpuFacts(79.19, 78.6))
+    assert big == p.with_changes(gpu_memory_utilization=0.94)
+
+
+def test_kv_numbers_fit_max_model_len_to_what_the_card_has() -> None:
+    """The card has room for 0.86 only: utilisation there, and max_model_len fitted to the
+    KV cache that gives (the message's own tokens per GiB), when that still holds a page
+    and vLLM's estimate (at the old utilisation) did not; where the estimate holds a page,
+    it is taken as before, with no more memory."""
+    p = MemoryProfile(gpu_memory_utilization=0.85, max_model_len=65536)
+    numbers = {"max_model_len": 65536.0, "needed_gib": 7.5, "available_gib": 1.2,
+               "estimated_max_model_len": 10485.0}
+    page = page_tokens(2_000_000, 12384)
+    assert page > 10485
+    decision = next_profile(p, "kv_cache_insufficient", numbers, FLOORS,
+                            gpu=GpuFacts(79.19, 70.48), max_pixels=2_000_000,
+                            max_output_tokens=12384)
+    new = decision.profile
+    assert new is not None and not decision.degraded
+    assert new.gpu_memory_utilization == 0.86 and not new.enforce_eager
+    kv = 1.2 + 0.01 * 79.19
+    assert page <= new.max_model_len <= kv / 7.5 * 65536  # type: ignore[operator]
+    assert new.max_model_len % 16 == 0  # type: ignore[operator]
+    small_pages = next_profile(p, "kv_cache_insufficient", numbers, FLOORS,
+                               gpu=GpuFacts(79.19, 70.48), max_pixels=2_000_000,
+                               max_output_tokens=4096).profile
+    assert small_pages == p.with_changes(max_model_len=10480)
+
+
+def test_kv_numbers_try_eager_before_lowering_the_page_budget() -> None:
+    """A fitted length below one page would lower the page budget: enforce_eager (and
+    whatever utilisation the card has) first; with eager already on, the degraded fit."""
+    p = MemoryProfile(gpu_memory_utilization=0.85, max_model_len=18000)
+    new = step(p, "kv_cache_insufficient", ISSUE_KV, gpu=GpuFacts(79.19, 70.48))
+    assert new == p.with_changes(gpu_memory_utilization=0.86, enforce_eager=True)
+    eager = MemoryProfile(gpu_memory_utilization=0.85, max_model_len=18000, enforce_eager=True)
+    decision = next_profile(eager, "kv_cache_insufficient", ISSUE_KV, FLOORS,
+                            gpu=GpuFacts(79.19, 69.69), **BUDGET)  # type: ignore[arg-type]
+    assert decision.degraded and decision.profile is not None
+    assert decision.profile.max_model_len == 10480 // 16 * 16  # vLLM's own estimate: exact
+
+
+def test_kv_numbers_without_nvml_walk_the_rungs() -> None:
+    """No GPU facts (or no needed/available figures): the ladder as before."""
+    p = MemoryProfile(gpu_memory_utilization=0.85, max_model_len=18000)
+    assert step(p, "kv_cache_insufficient", ISSUE_KV) == p.with_changes(enforce_eager=True)
+
+
+def test_mamba_cache_sets_max_num_seqs_to_the_named_blocks() -> None:
+    """mamba_cache_insufficient: max_num_seqs = the blocks vLLM names, in one step."""
+    numbers = {"max_num_seqs": 1024.0, "mamba_cache_blocks": 600.0}
+    assert step(MemoryProfile(), "mamba_cache_insufficient", numbers) == \
+        MemoryProfile(max_num_seqs=600)
+    assert step(MemoryProfile(max_num_seqs=64), "mamba_cache_insufficient",
+                {"max_num_seqs": 64.0, "mamba_cache_blocks": 30.0}) == \
+        MemoryProfile(max_num_seqs=30)
+    # The number cut off: halve what was asked.
+    assert step(MemoryProfile(), "mamba_cache_insufficient", {"max_num_seqs": 1024.0}) == \
+        MemoryProfile(max_num_seqs=512)
+
+
+def test_mamba_cache_below_the_floor_is_fatal() -> None:
+    """Fewer blocks than min_max_num_seqs (or none): a restart cannot help."""
+    floors = DownshiftConfig(min_max_num_seqs=8)
+    assert step(MemoryProfile(), "mamba_cache_insufficient",
+                {"max_num_seqs": 256.0, "mamba_cache_blocks": 4.0}, floors=floors) is None
+    assert step(MemoryProfile(), "mamba_cache_insufficient",
+                {"max_num_seqs": 256.0, "mamba_cache_blocks": 0.0}) is None

@@ -7,6 +7,7 @@ the next profile, or why can a restart not help". No I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -110,6 +111,12 @@ PIXELS_PER_IMAGE_TOKEN = 28 * 28
 UTILIZATION_MARGIN = 0.03
 UTILIZATION_STEP = 0.05
 MIN_PIXELS_BUDGET = 1024 * 1024
+#: Margin added to the utilisation a KV-cache failure's numbers call for: vLLM prints its
+#: GiB to two decimals, and the profile run's peak moves a little from start to start.
+KV_UTILIZATION_MARGIN = 0.01
+#: A length fitted from the numbers keeps this share of what they say fits (rounding of
+#: the printed GiB, the tokens-per-GiB ratio of a hybrid model being only near-linear).
+KV_LENGTH_MARGIN = 0.98
 
 
 @dataclass(frozen=True)
@@ -228,6 +235,8 @@ def _step(
         return _oom_runtime(profile, floors, pixels, "CUDA OOM while serving")
     if failure == "host_oom":
         return _host_oom(profile, floors)
+    if failure == "mamba_cache_insufficient":
+        return _mamba_cache(profile, numbers, floors)
     return Decision(profile, f"{failure}: restart with the same profile")
 
 
@@ -246,7 +255,12 @@ def _kv_cache(
     out_tokens: int,
 ) -> Decision:
     need = page_tokens(pixels, out_tokens)
-    estimated = numbers.get("estimated_max_model_len")
+    # V0's "... that can be stored in KV cache (N)" names the same limit as V1's estimate.
+    estimated = numbers.get("estimated_max_model_len") or numbers.get("kv_cache_tokens")
+    if profile.kv_cache_memory_bytes is None:  # else utilisation does not size the KV cache
+        fitted = _kv_from_numbers(profile, numbers, floors, gpu, need, pixels, out_tokens)
+        if fitted is not None:
+            return fitted
     if estimated is not None and int(estimated) >= max(need, floors.min_max_model_len):
         new_len = int(estimated) // 16 * 16
         current = profile.max_model_len
@@ -291,6 +305,140 @@ def _kv_cache(
         return Decision(profile.with_changes(cpu_offload_gb=new_off),
                         f"KV cache too small: cpu_offload_gb {profile.cpu_offload_gb} -> {new_off}")
     return _lower_page_budget(profile, pixels, out_tokens, estimated, floors)
+
+
+def _kv_from_numbers(
+    profile: MemoryProfile,
+    numbers: dict[str, float],
+    floors: DownshiftConfig,
+    gpu: GpuFacts | None,
+    need: int,
+    pixels: int,
+    out_tokens: int,
+) -> Decision | None:
+    """One step to a profile that fits, from vLLM's "X GiB KV cache is needed, which is
+    larger than the available KV cache memory (Y GiB)" and NVML's total and free memory.
+
+    Raising ``gpu_memory_utilization`` by Δ gives the KV cache Δ × total more (the weights
+    and activations do not change), so: if the card has it, utilisation + (X − Y)/total +
+    a margin, keeping ``max_model_len``; else, where the length vLLM estimates holds a page,
+    ``None`` (the ladder fits it, taking no more memory); else as much as the card has, plus
+    ``cpu_offload_gb``
+    (within ``max_cpu_offload_gb``), and ``max_model_len`` fitted to what that KV cache holds
+    (the message's own ratio of tokens to GiB). Where that length would not hold a page:
+    ``enforce_eager`` first (the CUDA graphs' memory is in no message), then the page
+    budget lowered to fit (degraded). ``None`` when the numbers (or NVML's total) are
+    missing: the ladder walks its rungs.
+    """
+    needed = numbers.get("needed_gib")
+    available = numbers.get("available_gib")
+    length = numbers.get("max_model_len") or profile.max_model_len
+    util = profile.gpu_memory_utilization
+    if (not needed or available is None or needed <= available or not length or util is None
+            or gpu is None or not gpu.total_gib):
+        return None
+    total = gpu.total_gib
+    ceiling = floors.max_gpu_memory_utilization
+    if gpu.free_gib is not None:  # the old engine is gone: what is free is the card's room
+        ceiling = min(ceiling, gpu.free_gib / total - UTILIZATION_MARGIN)
+    ceiling = math.floor(round(ceiling, 6) * 100) / 100
+    exact = math.ceil(round((util + (needed - available) / total + KV_UTILIZATION_MARGIN)
+                            * 100, 6)) / 100
+    shown = f"KV cache needs {needed:g} GiB, has {available:g} GiB"
+    if exact <= ceiling:
+        return Decision(profile.with_changes(gpu_memory_utilization=exact),
+                        f"{shown}; the GPU has {gpu.free_gib} of {total:g} GiB free: "
+                        f"gpu_memory_utilization {util} -> {exact} (the missing "
+                        f"{needed - available:.2f} GiB plus a margin)")
+    estimated = numbers.get("estimated_max_model_len")
+    if estimated is not None and int(estimated) >= max(need, floors.min_max_model_len):
+        return None  # the length vLLM estimates holds a page: fit it, take no more memory
+    new_util = max(util, ceiling)
+    kv = available + (new_util - util) * total
+    changes: dict[str, Any] = {}
+    if new_util > util:
+        changes["gpu_memory_utilization"] = new_util
+    room = floors.max_cpu_offload_gb - profile.cpu_offload_gb
+    if room > 0:  # offloaded weights leave their GiB to the KV cache
+        offload = min(room, float(math.ceil(needed - kv + KV_UTILIZATION_MARGIN * total)))
+        changes["cpu_offload_gb"] = profile.cpu_offload_gb + offload
+        kv += offload
+        if kv >= needed + KV_UTILIZATION_MARGIN * total:
+            return Decision(profile.with_changes(**changes),
+                            f"{shown}; the GPU has room for {new_util}: "
+                            f"{_describe(changes, profile)}")
+    # The length a KV cache of ``kv`` GiB holds, from the message's own tokens per GiB
+    # (the printed GiB are rounded to 0.01: count the needed side high, the rest low).
+    if estimated and kv == available:  # nothing gained: vLLM's own estimate is exact
+        fits = int(estimated) // 16 * 16
+    else:
+        fits = int((kv - 0.01) * length / (needed + 0.005) * KV_LENGTH_MARGIN) // 16 * 16
+    if fits >= length:  # fits, if only within the margin: the raise is all there is to do
+        return Decision(profile.with_changes(**changes),
+                        f"{shown}; the GPU has room for {new_util}: "
+                        f"{_describe(changes, profile)}") if changes else None
+    if fits >= max(need, floors.min_max_model_len):
+        changes["max_model_len"] = fits
+        return Decision(profile.with_changes(**changes),
+                        f"{shown}; the GPU has room for {new_util} at most: "
+                        f"{_describe(changes, profile)} (still one page of {need} tokens)")
+    if not profile.enforce_eager:
+        # Fitting would lower the page budget; the CUDA graphs' memory, which no message
+        # states, may be enough: try that first (one start more at worst, not a lasting
+        # quality loss).
+        changes["enforce_eager"] = True
+        return Decision(profile.with_changes(**changes),
+                        f"{shown}; the GPU has room for {new_util} at most and a fitted "
+                        f"max_model_len ({fits}) would not hold a page of {need} tokens: "
+                        f"{_describe(changes, profile)} (frees the CUDA graphs' memory)")
+    lowered = _lower_page_budget(profile.with_changes(**changes), pixels, out_tokens, fits,
+                                 floors)
+    if lowered.profile is None:
+        return lowered
+    return Decision(lowered.profile, f"{shown}; the GPU has room for {new_util} at most: "
+                    f"{_describe(lowered.profile.changes_from(profile), profile)}; "
+                    f"{lowered.reason}", degraded=True)
+
+
+def _describe(changes: Mapping[str, Any], profile: MemoryProfile) -> str:
+    return ", ".join(f"{k} {getattr(profile, k)} -> "
+                     f"{v[1] if isinstance(v, tuple) else v}" for k, v in changes.items())
+
+
+def _mamba_cache(
+    profile: MemoryProfile, numbers: dict[str, float], floors: DownshiftConfig
+) -> Decision:
+    """vLLM's "max_num_seqs (R) exceeds available Mamba cache blocks (N)": ``max_num_seqs``
+    = N in one step.
+
+    No margin: the pool is sized from the KV cache memory before this check, and a lower
+    ``max_num_seqs`` only shrinks what the profile run and CUDA graphs take, so the pool
+    at the next start is at least N. This step changes nothing else; a later step that does
+    shrink the pool (a lower ``gpu_memory_utilization``) makes vLLM name the new N.
+    """
+    blocks = numbers.get("mamba_cache_blocks")
+    requested = numbers.get("max_num_seqs") or profile.max_num_seqs
+    if blocks is None:  # the number was cut off: halve what was asked
+        seqs = _halve(None if requested is None else int(requested),
+                      floors.min_max_num_seqs, 256)
+        if seqs is None:
+            return Decision(None, "the Mamba cache cannot hold the floor's "
+                            f"min_max_num_seqs={floors.min_max_num_seqs} sequences")
+        return Decision(profile.with_changes(max_num_seqs=seqs),
+                        f"Mamba cache too small for {requested} sequences: max_num_seqs -> "
+                        f"{seqs}")
+    target = int(blocks)
+    if target < max(1, floors.min_max_num_seqs):
+        return Decision(None, f"the Mamba cache holds {target} sequences, below the floor "
+                        f"min_max_num_seqs={floors.min_max_num_seqs}; give the engine more "
+                        "GPU memory (gpu_memory_utilization) or use a larger GPU")
+    current = profile.max_num_seqs
+    if current is not None and current <= target:
+        return Decision(profile, f"mamba_cache_insufficient, but max_num_seqs {current} is "
+                        f"within the {target} blocks named: restart with the same profile")
+    return Decision(profile.with_changes(max_num_seqs=target),
+                    f"Mamba cache holds {target} sequences, {int(requested or 0) or 'more'} "
+                    f"were asked: max_num_seqs {current} -> {target}")
 
 
 def _lower_page_budget(
