@@ -27,7 +27,10 @@ read once at start, so that a test can change what the *next* generation does:
   (tests/fixtures/vllm_cpu_kv_insufficient.log) reached us on a loaded box: its
   "EngineCore failed to start." line, the traceback ending in the KV-cache ValueError
   ``kv_late_s`` seconds later, and then no exit. ``setsid_grandchild``: leave a child in
-  a session of its own.
+  a session of its own. ``mamba_cache_blocks``: N, a hybrid model's pool of Mamba-state
+  blocks; a ``--max-num-seqs`` above it (vLLM's default on an H100: 1024) fails with the
+  ValueError of vLLM's vllm/config/compilation.py (>= 0.19; 0.17 has no such check), then
+  "Engine core initialization failed", exit 1.
 * ``check_flags``: the flag check's answers in turn (``ok``, ``bad_flag``,
   ``import_error``, ``killed``, ``sleep:S``; the last repeats).
 * ``per_port``: overrides for the replica on that port (replica i listens on port + i).
@@ -78,6 +81,9 @@ from typing import Any
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VERSION = "0.32.0"
 TOTAL_GIB = 79.19
+#: vLLM's max_num_seqs for the OpenAI server on a GPU of >= 70 GiB that is not an A100
+#: (engine/arg_utils.py); the stand-in's GPU is an H100 (TOTAL_GIB).
+MAX_NUM_SEQS = 1024
 THIS = Path(__file__).resolve()
 #: vLLM 0.32's CPU engine failing for want of KV cache (estimated maximum model length 768).
 KV_LOG = THIS.parent / "fixtures" / "vllm_cpu_kv_insufficient.log"
@@ -424,6 +430,7 @@ def _flags(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--served-model-name", default="chandra")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
     return p.parse_known_args(argv)[0]
 
 
@@ -439,6 +446,27 @@ def _kv_late(pause_s: float) -> None:
         print(line, file=sys.stderr, flush=True)
     while True:
         time.sleep(3600)
+
+
+def _mamba_refused(seqs: int, blocks: int) -> None:
+    """vLLM's refusal of more sequences than Mamba-state blocks, as a single-GPU engine
+    prints it: EngineCore's exception log, then the API server's RuntimeError."""
+    core = "core.py:1510"
+    log("EngineCore_DP0", "ERROR", core, "EngineCore failed to start.")
+    log("EngineCore_DP0", "ERROR", core, "Traceback (most recent call last):")
+    log("EngineCore_DP0", "ERROR", core, '  File "/usr/local/lib/python3.12/dist-packages/'
+        'vllm/config/compilation.py", line 1518, in resolve_cudagraph_mode_and_sizes')
+    log("EngineCore_DP0", "ERROR", core, "    raise ValueError(")
+    log("EngineCore_DP0", "ERROR", core, f"ValueError: max_num_seqs ({seqs}) exceeds "
+        f"available Mamba cache blocks ({blocks}). Each decode sequence requires one Mamba "
+        "cache block, so CUDA graph capture cannot proceed. Please lower max_num_seqs to at "
+        f"most {blocks} or increase gpu_memory_utilization.")
+    print("Traceback (most recent call last):", file=sys.stderr, flush=True)
+    print('  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/engine/utils.py", line '
+          "1431, in wait_for_engine_startup\n    raise RuntimeError(", file=sys.stderr,
+          flush=True)
+    print("RuntimeError: Engine core initialization failed. See root cause above. Failed "
+          "core proc(s): {}", file=sys.stderr, flush=True)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -487,6 +515,10 @@ def serve(scenario_path: Path | None, argv: list[str]) -> int:
         return 1
     if scenario.get("kv_late_s") is not None and not eager:
         _kv_late(float(scenario["kv_late_s"]))
+    blocks = scenario.get("mamba_cache_blocks")
+    if blocks is not None and args.max_num_seqs > int(blocks):
+        _mamba_refused(args.max_num_seqs, int(blocks))
+        return 1
     log(who, "INFO", "model.py:733", "Resolved architecture: Idefics3ForConditionalGeneration")
     time.sleep(float(scenario.get("startup_s", 0.5)))
     if mode == "never_ready":
