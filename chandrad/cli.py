@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
-from chandrad import __version__, config, errors, systemd
+from chandrad import __version__, config, early, errors, systemd
 from chandrad.engine import command, launch, replicas
 from chandrad.engine.profile import MemoryProfile, initial_profile
 
@@ -177,7 +177,11 @@ def _config_path(args: argparse.Namespace) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
+    early.HELD.reading_config()  # a SIGHUP before this asks for nothing the start won't do
     cfg = config.load_config(_config_path(args))
+    if early.HELD.stop_requested():  # SIGTERM/SIGINT during start: stop before starting
+        print("chandrad: stopped by a signal before the daemon started", file=sys.stderr)
+        return errors.ExitCode.OK
     daemon = importlib.import_module("chandrad.daemon")  # only `run` needs the daemon's wiring
     return int(daemon.run(cfg))
 

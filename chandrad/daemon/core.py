@@ -22,7 +22,7 @@ from typing import assert_never
 
 import structlog
 
-from chandrad import __version__, malloc
+from chandrad import __version__, early, malloc
 from chandrad.batch import BatchRun
 from chandrad.config import Config
 from chandrad.control.handlers import Handlers
@@ -190,6 +190,7 @@ class Daemon:
             signals = tuple((sig, DaemonCommand.SHUTDOWN_NOW) for sig, _ in signals)
         for sig, name in signals:
             loop.add_signal_handler(sig, self.queue.put, name)
+        self._take_early_signals(dict(signals))
         self.store = open_store(cfg)
         make_watch_folders(cfg)
         if self.batch is None:  # before any process is spawned: an address it never gets is 78
@@ -226,6 +227,19 @@ class Daemon:
         self.notifier.ready(self.status_line())
         log.info(Event.DAEMON_STARTED, version=__version__, pid=os.getpid(),
                  socket=str(cfg.control_socket()), watches=len(cfg.watch))
+
+    def _take_early_signals(self, commands: dict[signal.Signals, DaemonCommand]) -> None:
+        """Queue what arrived before the loop's handlers (``chandrad/early.py``): a stop
+        stops, a SIGHUP is a reload once running; SIGHUPs before the config was read are
+        dropped (the start read the current file)."""
+        held, dropped = early.HELD.take()
+        if dropped:
+            log.info("signal_before_start", signal="SIGHUP", count=dropped,
+                     action="ignored: before the config was read")
+        for sig in held:
+            log.info("signal_before_start", signal=sig.name, count=1,
+                     action=commands[sig].value)
+            self.queue.put(commands[sig])
 
     def _supervisor(self, cfg: Config, spec: ReplicaSpec) -> EngineSupervisor:
         """The supervisor of one planned engine, with its own port, session file (so that
