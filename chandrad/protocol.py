@@ -285,11 +285,40 @@ def _dumps(obj: dict[str, Any]) -> bytes:
     return data + b"\n"
 
 
-def _loads(line: bytes) -> dict[str, Any]:
+class _Ambiguous(ValueError):
+    """A request that JSON parsers read in more than one way."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refusing a key given twice (parsers differ on which wins)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _Ambiguous(f"key {key!r} appears more than once in one object")
+        obj[key] = value
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN``, ``Infinity``, ``-Infinity``: Python's extension, not JSON."""
+    raise _Ambiguous(f"{name} is not a JSON number")
+
+
+def _loads(line: bytes, *, strict: bool = False) -> dict[str, Any]:
+    """One frame as a dict.
+
+    ``strict`` (requests, which the daemon acts on): no key twice in an object, no
+    ``NaN``/``Infinity``. Replies are read as Python writes them (a metric may be NaN).
+    """
     if len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES:
         raise ProtocolError("too_large", f"frame exceeds {MAX_LINE_BYTES} bytes")
     try:
-        obj = json.loads(line)
+        if strict:
+            obj = json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        else:
+            obj = json.loads(line)
+    except _Ambiguous as exc:
+        raise ProtocolError("bad_request", f"ambiguous request: {exc}") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError("bad_request", f"not a JSON object: {exc}") from exc
     except ValueError as exc:  # an integer of more digits than int() accepts (4300)
@@ -311,9 +340,12 @@ def decode_request(line: bytes) -> Request:
 
     Raises:
         ProtocolError: ``too_large``, ``bad_request``, ``unsupported_version`` or
-            ``unknown_command``, carrying the request id when it was readable.
+            ``unknown_command``, carrying the request id when it was readable. A key
+            given twice in one object, or ``NaN``/``Infinity`` anywhere, is a
+            ``bad_request``: the request could be read as something else than what the
+            daemon would do (``{"cmd": "status", "cmd": "drain"}``).
     """
-    obj = _loads(line)
+    obj = _loads(line, strict=True)
     rid = obj.get("id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         rid = None

@@ -149,6 +149,23 @@ def test_malformed_line_is_answered_and_connection_stays_usable(server: ServerTh
         assert ask(sock, "status", rid=2)["result"]["daemon"]["state"] == "running"
 
 
+@pytest.mark.parametrize("line", [
+    b'{"v":1,"id":1,"cmd":"status","cmd":"drain"}\n',
+    b'{"v":1,"id":NaN,"cmd":"status"}\n',
+], ids=["cmd-twice", "id-nan"])
+def test_ambiguous_request_reaches_no_command(server: ServerThread, line: bytes) -> None:
+    """``{"cmd":"status","cmd":"drain"}`` used to drain the daemon (the last key won) while
+    it reads as ``status``; an id of NaN was taken. Both are bad_request: no command
+    runs, and the connection stays usable."""
+    with connect(server.path) as sock:
+        sock.sendall(line)
+        reply = read_reply(sock)
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_request", reply
+        assert ask(sock, "gpu", rid=2)["ok"] is True
+    assert [c[0] for c in server.daemon.calls] == ["gpu"]
+    assert server.daemon.state == "running"
+
+
 def test_unknown_command_and_wrong_version(server: ServerThread) -> None:
     """Unknown command and wrong version get structured errors with the request's id."""
     with connect(server.path) as sock:

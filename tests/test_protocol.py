@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -65,6 +66,36 @@ def test_json_that_is_not_an_object_is_bad_request() -> None:
     """A JSON array or number is not a frame."""
     assert _code(b"[1, 2]\n") == "bad_request"
     assert _code(b"42\n") == "bad_request"
+
+
+@pytest.mark.parametrize("line", [
+    b'{"v": 1, "id": 1, "cmd": "status", "cmd": "drain"}\n',
+    b'{"v": 1, "id": 1, "cmd": "cancel", "args": {"job": 1, "job": 2}}\n',
+    b'{"v": 1, "v": 1, "id": 1, "cmd": "status"}\n',
+    b'{"v": 1, "id": NaN, "cmd": "status"}\n',
+    b'{"v": 1, "id": Infinity, "cmd": "status"}\n',
+    b'{"v": 1, "id": 1, "cmd": "queue", "args": {"limit": -Infinity}}\n',
+], ids=["cmd-twice", "arg-twice", "v-twice", "id-nan", "id-infinity", "arg-minus-infinity"])
+def test_ambiguous_requests_are_bad_requests(line: bytes) -> None:
+    """A key given twice (which one wins differs between parsers: Python's json took the
+    last, so ``{"cmd": "status", "cmd": "drain"}`` drained) and NaN/Infinity (not JSON)
+    are refused whole, whatever the rest of the request says."""
+    with pytest.raises(ProtocolError) as info:
+        decode_request(line)
+    assert info.value.error_code == "bad_request"
+    assert "ambiguous request" in info.value.message
+
+
+def test_same_key_in_different_objects_is_fine() -> None:
+    """Only a key repeated within one object is ambiguous."""
+    req = decode_request(b'{"v": 1, "id": 1, "cmd": "retry", "args": {"v": 1, "id": 2}}\n')
+    assert (req.cmd, req.args) == ("retry", {"v": 1, "id": 2})
+
+
+def test_replies_may_carry_non_finite_metrics() -> None:
+    """A reply is read as the daemon's json writes it: a NaN metric does not break status."""
+    reply = decode_reply(encode_result(3, {"metrics": {"kv_cache": float("nan")}}))
+    assert reply.ok and math.isnan(reply.result["metrics"]["kv_cache"])
 
 
 def test_wrong_or_missing_version_keeps_the_id() -> None:
