@@ -25,16 +25,22 @@ from the others; each refusal is answered with a reason, then the connection clo
 * a request line longer than ``MAX_LINE_BYTES`` (1 MiB) → ``too_large``; the rest of it
   is read off (at most 64 MiB, 2 s) so the client sees the reply, not a reset;
 * no complete request line within ``read_timeout`` (30 s) of the last reply → ``timeout``;
-  a client that does not read its replies is closed after ``read_timeout`` too;
+* replies a client does not read: a connection reads its next request only once its
+  reply is wholly in the kernel's socket buffer, so it holds at most one reply (≤ 1 MiB)
+  in the daemon; it is aborted when it has not taken that reply within ``read_timeout``,
+  or when the replies waiting on all such slow readers together pass
+  ``max_pending_bytes`` (8 MiB; the one waiting longest goes first);
 * at most ``max_per_peer`` (16) connections per client process (peer pid) and
   ``max_connections`` (64) in all. A process at its share is answered ``busy``. At the
-  global limit a newcomer makes room by closing, with ``busy``, the connection that has
-  waited longest for a request line among those of the process holding the most (any
-  idle one if that process has none); with none idle (all inside a command) the
-  newcomer is answered ``busy``. So a process that floods the socket, or leaves
-  connections silent, only ever uses its own share while other clients are served.
+  global limit a newcomer makes room by closing a connection that waits on its client,
+  among those of the process holding the most (any if that process has none): one
+  blocked on a reply its client does not read first (aborted: a ``busy`` line could not
+  reach it past the unread reply), else the one that has waited longest for a request
+  line (closed with ``busy``); with none waiting (all inside a command) the newcomer is
+  answered ``busy``. So a process that floods the socket, leaves connections silent or
+  never reads, only ever uses its own share while other clients are served.
   Refusals and evictions are logged as one ``control_connection_limit`` warning, with
-  the counts since the previous one, at most every 10 s.
+  the counts since the previous one, at most every 10 s; never a traceback.
 """
 
 from __future__ import annotations
@@ -87,18 +93,33 @@ DEFAULT_MAX_PER_PEER = 16
 LISTEN_BACKLOG = 128
 #: At most one ``control_connection_limit`` warning per this many seconds.
 LIMIT_LOG_INTERVAL = 10.0
+#: Reply bytes the daemon holds, over all connections, for clients that do not take them.
+DEFAULT_MAX_PENDING_BYTES = 8 << 20
+#: Seconds an evicted idle connection has to take its ``busy`` line before it is aborted.
+EVICT_GRACE_S = 1.0
 
 
 class _Connection:
-    """One open connection: its task, its writer, and since when it waits for a request."""
+    """One open connection and what it waits for.
 
-    __slots__ = ("idle_since", "pid", "task", "writer")
+    ``idle_since``: since when it waits for a request line; ``writing_since``: since when
+    it waits for its client to take a reply off the socket. Both None inside a command.
+    """
+
+    __slots__ = ("idle_since", "pid", "task", "writer", "writing_since")
 
     def __init__(self, task: asyncio.Task[None], writer: asyncio.StreamWriter, pid: int) -> None:
         self.task = task
         self.writer = writer
         self.pid = pid
         self.idle_since: float | None = time.monotonic()
+        self.writing_since: float | None = None
+
+    def pending_bytes(self) -> int:
+        """Reply bytes written but not yet taken by the kernel (0 unless writing)."""
+        if self.writing_since is None:
+            return 0
+        return self.writer.transport.get_write_buffer_size()
 
 
 class ControlSocketError(ChandradError):
@@ -258,6 +279,7 @@ class ControlServer:
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_per_peer: int = DEFAULT_MAX_PER_PEER,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ) -> None:
         self.path = Path(path)
         self.handlers = handlers
@@ -270,8 +292,10 @@ class ControlServer:
         self._inode: tuple[int, int] | None = None
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
+        self.max_pending_bytes = max_pending_bytes
         self._connections: dict[asyncio.Task[None], _Connection] = {}
         self._evicted = 0
+        self._evicted_not_reading = 0
         self._refused = 0
         self._limit_logged_at = -LIMIT_LOG_INTERVAL
 
@@ -367,11 +391,18 @@ class ControlServer:
             writer.write(encode_error(None, "busy", self._busy_message("all are busy")))
             await _close(writer)
             return
+        # drain() returns only once a reply is wholly in the kernel's buffer: a connection
+        # holds at most the rest of one reply here, and "waiting on its client" is exact.
+        writer.transport.set_write_buffer_limits(high=0)
         conn = self._connections[task] = _Connection(task, writer, pid)
         try:
             await self._serve(reader, writer, conn, pid, uid, access)
         except ConnectionError:
-            pass
+            pass  # the client went away, or was evicted (the transport aborted)
+        except asyncio.CancelledError:
+            # close(): the daemon stops. End normally: asyncio (3.11) logs a traceback
+            # at ERROR for every client task that ends cancelled.
+            task.uncancel()
         except Exception:
             log.exception("control_connection_error")
         finally:
@@ -379,7 +410,7 @@ class ControlServer:
             await _close(writer)
 
     def _make_room(self, pid: int) -> bool:
-        """Whether a new connection of ``pid`` fits, closing an idle one if needed."""
+        """Whether a new connection of ``pid`` fits, closing a waiting one if needed."""
         conns = list(self._connections.values())
         if sum(1 for c in conns if c.pid == pid) >= self.max_per_peer:
             return False  # that process already has its share: it gets busy, others don't
@@ -390,7 +421,16 @@ class ControlServer:
         return self._evict([c for c in conns if c.pid == heaviest]) or self._evict(conns)
 
     def _evict(self, candidates: list[_Connection]) -> bool:
-        """Close the candidate that has waited longest for a request line; False if none."""
+        """Close a candidate that waits on its client; False if none does.
+
+        One blocked on an unread reply goes first (the longest blocked), else the one
+        that has waited longest for a request line. The transport is closed, not the
+        task cancelled: the task sees EOF or a reset and ends as for any lost client.
+        """
+        writing = [c for c in candidates if c.writing_since is not None]
+        if writing:
+            self._abort_not_reading(min(writing, key=lambda c: c.writing_since or 0.0))
+            return True
         idle = [c for c in candidates if c.idle_since is not None]
         if not idle:
             return False
@@ -398,12 +438,32 @@ class ControlServer:
         del self._connections[victim.task]
         self._evicted += 1
         self._log_limit()
+        transport = victim.writer.transport
         with contextlib.suppress(Exception):
             victim.writer.write(encode_error(
                 None, "busy", self._busy_message("closing the one idle longest")))
-            victim.writer.close()  # the reply is flushed before the close
-        victim.task.cancel()
+            transport.close()  # the busy line is flushed before the close...
+        # ...unless the client does not take even that.
+        asyncio.get_running_loop().call_later(EVICT_GRACE_S, transport.abort)
         return True
+
+    def _abort_not_reading(self, victim: _Connection) -> None:
+        """Drop a connection blocked on a reply its client does not read (and the reply)."""
+        self._connections.pop(victim.task, None)
+        self._evicted_not_reading += 1
+        self._log_limit()
+        victim.writer.transport.abort()
+
+    def _bound_pending(self) -> None:
+        """Abort the longest-blocked slow readers while their replies pass the budget."""
+        waiting = sorted((c for c in self._connections.values() if c.writing_since is not None),
+                         key=lambda c: c.writing_since or 0.0)
+        pending = sum(c.pending_bytes() for c in waiting)
+        for victim in waiting:
+            if pending <= self.max_pending_bytes:
+                return
+            pending -= victim.pending_bytes()
+            self._abort_not_reading(victim)
 
     def _busy_message(self, what: str) -> str:
         return (f"too many control connections (at most {self.max_per_peer} per process, "
@@ -417,8 +477,9 @@ class ControlServer:
         log.warning("control_connection_limit", open=len(self._connections),
                     limit=self.max_connections, per_process=self.max_per_peer,
                     evicted_idle=self._evicted,
+                    evicted_not_reading=self._evicted_not_reading,
                     refused=self._refused)
-        self._evicted = self._refused = 0
+        self._evicted = self._evicted_not_reading = self._refused = 0
 
     async def _serve(
         self,
@@ -441,13 +502,16 @@ class ControlServer:
                 return  # EOF, with or without a partial line
             except asyncio.LimitOverrunError:
                 conn.idle_since = None
-                await self._send(writer, encode_error(
+                writer.write(encode_error(
                     None, "too_large", f"request line exceeds {MAX_LINE_BYTES} bytes"))
+                await self._flush(conn)
                 await self._discard(reader, writer)
                 return
             except TimeoutError:
-                await self._send(writer, encode_error(
+                conn.idle_since = None
+                writer.write(encode_error(
                     None, "timeout", f"no complete request line within {self.read_timeout:g} s"))
+                await self._flush(conn)
                 return
             conn.idle_since = None
             try:
@@ -460,7 +524,9 @@ class ControlServer:
                         _request_id(line), "invalid_state",
                         "daemon is stopping: the command was cut short"))
                 raise
-            await self._send(writer, reply)
+            writer.write(reply)
+            del reply  # the transport holds what the client has not taken yet, once
+            await self._flush(conn)
 
     async def _answer(self, line: bytes, pid: int, uid: int, access: Access) -> bytes:
         rid: RequestId = None
@@ -507,14 +573,28 @@ class ControlServer:
                         return
                     budget -= len(chunk)
 
-    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
-        """Write one reply; a client that does not take it within read_timeout is dropped."""
-        writer.write(data)
+    async def _flush(self, conn: _Connection) -> None:
+        """Wait until the kernel has all of the reply just written.
+
+        A client that does not take it within read_timeout is dropped; so is the one
+        blocked longest while the replies waiting on slow readers pass the budget.
+
+        Raises:
+            ConnectionError: the client went away, was dropped or was evicted.
+        """
+        writer = conn.writer
+        if not writer.transport.get_write_buffer_size():
+            return  # all of it in the kernel's buffer: the common case
+        conn.writing_since = time.monotonic()
+        self._bound_pending()
         try:
             async with asyncio.timeout(self.read_timeout):
                 await writer.drain()
         except TimeoutError:
             # close() would wait for the unread replies to drain, for ever: abort.
+            self._connections.pop(conn.task, None)
             writer.transport.abort()
             log.info("control_client_not_reading", timeout_s=self.read_timeout)
             raise ConnectionAbortedError("client does not read its replies") from None
+        finally:
+            conn.writing_since = None
