@@ -33,7 +33,7 @@ from chandrad.engine.profile import MemoryProfile, initial_profile
 
 _log = logging.getLogger("chandrad")
 
-PUBLIC_COMMANDS = "{run,batch,check-config,fetch-model}"
+PUBLIC_COMMANDS = "{run,batch,check-config,fetch-model,store}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="config file for [engine] and [ocr] (default: $CHANDRAD_CONFIG, "
                        f"else {config.DEFAULT_CONFIG_PATH} if it exists, else the defaults); "
                        "its [[watch]] tables are not used")
+    text = ("check the store (daemon.state_dir's chandrad.sqlite3) for damage, read only; or "
+            "repair it with the daemon stopped (the damaged file is kept beside it)")
+    store = sub.add_parser("store", help=text, description=text)
+    store.add_argument("action", choices=("check", "repair"))
+    store.add_argument("--config", type=Path, default=None, metavar="PATH",
+                       help="config file (default: $CHANDRAD_CONFIG, else "
+                       f"{config.DEFAULT_CONFIG_PATH})")
     # Hidden: the daemon runs it in the engine's interpreter (engine/command.py).
     sub.add_parser("check-flags")
     return parser
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "check-config": _check_config,
         "check-flags": _check_flags,
         "fetch-model": _fetch_model,
+        "store": _store,
     }
     checking = args.command in ("check-config", "check-flags")
     if checking and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -184,6 +192,26 @@ def _run(args: argparse.Namespace) -> int:
         return errors.ExitCode.OK
     daemon = importlib.import_module("chandrad.daemon")  # only `run` needs the daemon's wiring
     return int(daemon.run(cfg))
+
+
+def _store(args: argparse.Namespace) -> int:
+    """``chandrad store check|repair``: 0 sound (or repaired), 78 damaged."""
+    state_dir = config.load_config(_config_path(args)).daemon.state_dir
+    store = importlib.import_module("chandrad.store")
+    if args.action == "repair":
+        done = store.repair(state_dir)
+        print(f"repaired {state_dir / store.DB_NAME} ({done.how}): {done.jobs} jobs kept; the "
+              f"damaged file is {done.damaged}")
+        return errors.ExitCode.OK
+    problems = store.check(state_dir)
+    for line in problems:
+        print(f"{state_dir / store.DB_NAME}: {line}")
+    if problems:
+        print("damaged: stop chandrad, keep a copy of the state dir, then `chandrad store "
+              "repair` (or see docs/operations.md, \"A damaged store\")", file=sys.stderr)
+        return errors.ExitCode.CONFIG
+    print(f"{state_dir / store.DB_NAME}: ok")
+    return errors.ExitCode.OK
 
 
 def _batch(args: argparse.Namespace) -> int:

@@ -111,14 +111,39 @@ class MetricsListenFailed(ConfigError):
 
 
 class StateDirInUse(ChandradError):
-    """Another live chandrad holds the state directory's lock.
+    """Another live chandrad holds the store's lock (an ``flock`` on the database file
+    itself, so deleting ``chandrad.lock`` does not release it).
 
     Two daemons on one store would each take the other's in-flight pages back
-    for recomputation, so the second refuses to start.
+    for recomputation (and kill the other's engine as stale), so the second refuses to
+    start before it touches anything.
     """
 
     code = "state_dir_in_use"
     exit_code = ExitCode.CONFIG
+
+
+class StoreDamaged(ChandradError):
+    """The store (``<state_dir>/chandrad.sqlite3``) is damaged, or empty where it held jobs.
+
+    The daemon refuses to start (exit 78: systemd does not restart it into the same
+    damage); the message names the file and the way out (``chandrad store check``/
+    ``repair``, or a fresh store that keeps ``done/``, ``failed/`` and ``output/``).
+    """
+
+    code = "store_damaged"
+    exit_code = ExitCode.CONFIG
+
+
+class StoreFull(ChandradError):
+    """The store's filesystem refuses to grow the database (disk full, quota).
+
+    An expected OS condition, like :class:`OutputUnwritable`: nothing is failed for it,
+    files wait in the inbox and jobs where they are, and work resumes on its own once
+    there is space again.
+    """
+
+    code = "store_full"
 
 
 class EngineUnavailable(ChandradError):

@@ -32,6 +32,12 @@ permission) put the job in the ``held`` state (``output_unwritable``) instead of
 failing it; it is retried on its own (``HOLD_RETRY_FIRST`` doubling to
 ``HOLD_RETRY_MAX``) and its pages are not recomputed.
 
+A store whose filesystem is full (``StoreFull``) is held the same way, for the whole
+pipeline: nothing is failed for it; settled files wait in the inbox (their batch is
+accepted once a write succeeds, tried every ``STORE_FULL_RETRY_S``), a job that could not
+record its progress waits where the store has it, and :attr:`Pipeline.store_full` says
+why (``status``, ``STATUS=``) until a write goes through again.
+
 The intake and dispatch loops run under ``chandrad.tasks`` supervision (wired by the
 daemon); they declare the item they work on, and :meth:`Pipeline.quarantine` moves
 an item that crashed a loop out of the way.
@@ -66,6 +72,7 @@ from chandrad.errors import (
     OutputUnwritable,
     RenderCrashed,
     RenderTimeout,
+    StoreFull,
 )
 from chandrad.events import Event
 from chandrad.interfaces import EngineHandle, Observer
@@ -92,6 +99,8 @@ BACKOFF_MAX_S = 300.0
 #: Seconds before a held job (outputs unwritable) is tried again; doubles up to the max.
 HOLD_RETRY_FIRST = 5.0
 HOLD_RETRY_MAX = 60.0
+#: Seconds between two tries to write to a store whose filesystem is full.
+STORE_FULL_RETRY_S = 2.0
 #: Pages rendered ahead of a full engine: its request limit divided by this (issue 11).
 RENDER_AHEAD_DIVISOR = 2
 
@@ -242,6 +251,9 @@ class Pipeline:
         self._intake: list[_Settled] = []
         self._intake_ready = asyncio.Event()
         self._intake_busy = False  # a batch is being hashed/accepted
+        #: Why the store refuses writes ("" while it takes them): ``status``, ``STATUS=``.
+        self.store_full = ""
+        self._store_wait: dict[int, float] = {}  # job -> retry due (monotonic): store full
         self.observer: Observer | None = None  # metrics: page outcomes and latencies
 
     def _request_limit(self) -> int:
@@ -287,10 +299,35 @@ class Pipeline:
                             if not self._known(item):
                                 fresh.append(item)
                     hashed = await asyncio.to_thread(_hash_all, fresh)
-                    self._accept_batch(hashed)
+                    await self._accept_when_room(hashed)
                 finally:
                     self._intake_busy = False
                 del self._intake[:len(batch)]
+
+    async def _accept_when_room(self, hashed: list[tuple[_Settled, str | None]]) -> None:
+        """Accept a hashed batch, waiting while the store's filesystem is full: the files
+        stay in the inbox, nothing goes to ``failed/``."""
+        while True:
+            try:
+                self._accept_batch(hashed)
+            except StoreFull as exc:
+                self._store_is_full(exc)
+                await asyncio.sleep(STORE_FULL_RETRY_S)
+                continue
+            self._store_has_room()
+            return
+
+    def _store_is_full(self, exc: StoreFull) -> None:
+        """A write was refused for space: say so once (a warning, no traceback)."""
+        if not self.store_full:
+            log.warning("store_full", path=exc.details.get("path"), reason=exc.message,
+                        retry_every_s=STORE_FULL_RETRY_S)
+        self.store_full = exc.message
+
+    def _store_has_room(self) -> None:
+        if self.store_full:
+            self.store_full = ""
+            log.info("store_has_room")
 
     def _known(self, item: _Settled) -> bool:
         job = self.store.find_active(item[2])
@@ -309,6 +346,8 @@ class Pipeline:
         for policy, items in by_policy.items():
             try:
                 jobs = self.store.accept_many(items, policy)
+            except StoreFull:
+                raise  # not an item's fault: the whole batch waits for space
             except Exception:
                 # One item spoiled the batch's transaction: accept one by one, so the
                 # supervisor learns which item it was.
@@ -350,7 +389,10 @@ class Pipeline:
         due, then pending ones), until cancelled."""
         while True:
             await self.dispatching.wait()
-            self._start_jobs()
+            try:
+                self._start_jobs()
+            except StoreFull as exc:  # the job was not marked running: it waits pending
+                self._store_is_full(exc)
             self._wake.clear()
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel.
             with contextlib.suppress(TimeoutError):
@@ -384,6 +426,7 @@ class Pipeline:
             return
         now = time.monotonic()
         exclude = (set(self._active) | {i for i, b in self._backoff.items() if b.until > now}
+                   | {i for i, due in self._store_wait.items() if due > now}
                    | {j.id for j in self._held_jobs()
                       if self._held_retry.get(j.id, (0.0, 0.0))[0] > now})
         busy = set(self._active_paths.values())
@@ -397,6 +440,7 @@ class Pipeline:
                 # first runs: a SIGTERM that stops dispatch then finds every job it lets
                 # finish already started, and none stamped started after it.
                 self.store.set_job_state(job.id, JobState.RUNNING)
+                self._store_has_room()
             task = asyncio.create_task(self.run_job(job))
             self._active[job.id] = task
             self._active_paths[job.id] = job.abs_path
@@ -454,7 +498,26 @@ class Pipeline:
                   "message": j.error_message,
                   "retry_in_s": round(max(0.0, self._held_retry.get(j.id, (now, 0.0))[0]
                                           - now), 1)} for j in held]
-        return {"count": count + len(backoff) + len(held), "jobs": jobs}
+        waiting = self._store_waiting()
+        if self.store_full:
+            jobs += [{"id": job_id, "file": file, "reason": StoreFull.code,
+                      "message": self.store_full} for job_id, file in waiting.items()]
+            if self._intake:  # not jobs yet: one line for the files waiting in the inbox
+                jobs.append({"file": str(self.store.path), "reason": StoreFull.code,
+                             "message": f"{len(self._intake)} settled file(s) wait in the "
+                                        f"inbox: {self.store_full}"})
+        return {"count": count + len(backoff) + len(held) + len(waiting), "jobs": jobs}
+
+    def _store_waiting(self) -> dict[int, str]:
+        """Jobs waiting for the store to take writes (not running now), by id: their file."""
+        if not self.store_full:
+            return {}
+        out = {}
+        for job_id in self._store_wait:
+            job = None if job_id in self._active else self.store.get(job_id)
+            if job is not None:
+                out[job_id] = names.display(job.abs_path)
+        return out
 
     def held_counts(self) -> dict[str, int]:
         """How many jobs :meth:`held` lists, by reason (those with none left out), without
@@ -465,6 +528,7 @@ class Pipeline:
         for j in self._held_waiting(roots):
             reason = j.error_code or JobState.HELD.value
             out[reason] = out.get(reason, 0) + 1
+        out[StoreFull.code] = len(self._store_waiting())
         return {reason: n for reason, n in out.items() if n}
 
     def _backing_off(self, roots: Mapping[Path, WatchConfig]) -> dict[int, _Backoff]:
@@ -565,19 +629,30 @@ class Pipeline:
             self.store.set_job_state(job.id, JobState.PENDING)
             return
         try:
-            await self._run(job, watch, started)
-            self._held_retry.pop(job.id, None)
-        except OutputUnwritable as exc:
-            self._hold(job, exc)
-        except InputError as exc:
-            await self._fail_job(job, watch, exc.code, exc.message)
-        except FileNotFoundError as exc:
-            await self._fail_job(job, watch, "input_vanished", f"the input disappeared: {exc}")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # one bad file must never stop the daemon
-            log.exception(Event.JOB_CRASHED, job=job.id, file=names.display(job.abs_path))
-            await self._fail_job(job, watch, "internal_error", f"{type(exc).__name__}: {exc}")
+            try:
+                await self._run(job, watch, started)
+                self._held_retry.pop(job.id, None)
+            except (StoreFull, asyncio.CancelledError):
+                raise
+            except OutputUnwritable as exc:
+                self._hold(job, exc)
+            except InputError as exc:
+                await self._fail_job(job, watch, exc.code, exc.message)
+            except FileNotFoundError as exc:
+                await self._fail_job(job, watch, "input_vanished",
+                                     f"the input disappeared: {exc}")
+            except Exception as exc:  # one bad file must never stop the daemon
+                log.exception(Event.JOB_CRASHED, job=job.id, file=names.display(job.abs_path))
+                await self._fail_job(job, watch, "internal_error",
+                                     f"{type(exc).__name__}: {exc}")
+        except StoreFull as exc:
+            # Its progress could not be recorded: the job waits as the store has it (its
+            # pages done are kept) and runs again once the store takes writes.
+            self._store_is_full(exc)
+            self._store_wait[job.id] = time.monotonic() + STORE_FULL_RETRY_S
+            return
+        if self._store_wait.pop(job.id, None) is not None:
+            self._store_has_room()  # it recorded its outcome: the store takes writes again
         self._backoff.pop(job.id, None)
 
     def _hold(self, job: Job, exc: OutputUnwritable) -> None:
@@ -604,8 +679,11 @@ class Pipeline:
         # One transaction sets ``pages_total`` and creates the pages (issue 8: each write
         # transaction is an fsync on the event loop's thread, paid per one-page file).
         self.store.init_pages(job.id, info.page_count)
-        todo = [p.index for p in self.store.pages(job.id)
-                if p.state in (PageState.PENDING, PageState.IN_FLIGHT)]
+        pages = self.store.pages(job.id)
+        for p in pages:
+            if p.state is PageState.IN_FLIGHT:  # a claim a full store kept from release
+                self.store.release_page(job.id, p.index)
+        todo = [p.index for p in pages if p.state in (PageState.PENDING, PageState.IN_FLIGHT)]
         try:
             # A TaskGroup, not gather: when one page raises, its siblings are cancelled
             # instead of running on for a job that has failed.

@@ -3,9 +3,19 @@
 Owns ``<state_dir>/chandrad.sqlite3``, the source of truth for what was accepted,
 what is done and what failed. Every public method is one short transaction, so a
 ``kill -9`` at any instant leaves either the old or the new state, never a mix.
-One daemon per state directory: :meth:`Store.open` takes an exclusive ``flock`` on
-``<state_dir>/chandrad.lock`` (released by the kernel when the process dies, even
-by ``kill -9``) before it touches the database.
+One daemon per store: :meth:`Store.open` takes an exclusive ``flock`` on the database
+file itself (released by the kernel when the process dies, even by ``kill -9``) before
+anything else, so deleting ``chandrad.lock`` (a cleanup script, a restore) cannot let a
+second daemon in; ``chandrad.lock`` keeps the holder's pid for the refusal's message (and
+is locked too, for tools that look there). The holder's pid is read from ``/proc/locks``
+when the lock file is gone.
+
+A damaged store is refused at open (:class:`~chandrad.errors.StoreDamaged`, exit 78):
+``PRAGMA quick_check`` (bounded by ``CHECK_BUDGET_S``), SQLite's "malformed"/"not a
+database" errors, and a missing or empty database where ``chandrad.store-used`` says one
+held jobs (the marker is written beside it once the store has a job). A write the
+filesystem refuses (disk full, quota) raises :class:`~chandrad.errors.StoreFull`: the
+transaction is rolled back and the caller waits for space.
 Recovery happens in :meth:`Store.open`: pages left ``in_flight`` go back to
 ``pending`` (their result never reached the store, so they must be recomputed);
 ``running`` jobs stay ``running`` and are resumed at page granularity.
@@ -38,7 +48,14 @@ from pathlib import Path
 from typing import Any
 
 from chandrad import names
-from chandrad.errors import CANCELLED_CODE, CANCELLED_MESSAGE, InternalError, StateDirInUse
+from chandrad.errors import (
+    CANCELLED_CODE,
+    CANCELLED_MESSAGE,
+    InternalError,
+    StateDirInUse,
+    StoreDamaged,
+    StoreFull,
+)
 from chandrad.states import (
     JOB_FINISHED,
     JOB_OPEN,
@@ -51,6 +68,15 @@ from chandrad.states import (
 
 DB_NAME = "chandrad.sqlite3"
 LOCK_NAME = "chandrad.lock"
+#: Written beside the database once it holds a job: a missing or empty database then is
+#: damage (a restore gone wrong, a truncation), not a first start.
+USED_MARKER = "chandrad.store-used"
+#: Seconds ``PRAGMA quick_check`` may take at open; a larger store is checked that long,
+#: then opened anyway (``Store.check`` says so; ``chandrad store check`` has no limit).
+CHECK_BUDGET_S = 20.0
+#: SQLite's primary result codes that mean the file is not a sound database.
+_DAMAGE_CODES = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
+_FULL_CODES = frozenset({13})  # SQLITE_FULL
 DUPLICATE_POLICIES = ("process", "skip")
 
 #: Schema migrations by version; version N is reached by running MIGRATIONS[N - 1].
@@ -260,6 +286,62 @@ class Recovered:
     jobs_running: int = 0
 
 
+def _flock_holder(fd: int) -> int | None:
+    """The pid that holds an flock on ``fd``'s file, from ``/proc/locks`` (None: unknown)."""
+    st = os.fstat(fd)
+    try:
+        lines = Path("/proc/locks").read_text("ascii", "replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "WRITE":
+            continue  # "->" lines are waiters, not holders
+        dev_ino = fields[5].split(":")
+        if len(dev_ino) == 3 and dev_ino[2] == str(st.st_ino) and fields[4].isdigit():
+            return int(fields[4]) or None
+    return None
+
+
+def _pid_in(lock_path: Path) -> int | None:
+    try:
+        text = lock_path.read_text("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _in_use(state_dir: Path, pid: int | None) -> StateDirInUse:
+    who = "chandrad" if pid is None else f"chandrad (pid {pid})"
+    return StateDirInUse(
+        f"another {who} is using {state_dir}; stop it first, or give this "
+        "daemon its own daemon.state_dir", path=str(state_dir), pid=pid)
+
+
+def _lock_database(db_path: Path) -> int:
+    """Take the exclusive flock of the database file itself (created empty if missing,
+    which SQLite takes as a new database); the open fd holds it.
+
+    The lock lives on the database's inode, so no file deleted beside it releases it;
+    the path is checked to still name the locked inode (a database swapped in between).
+    SQLite's own locks are POSIX record locks, which Linux keeps apart from flocks.
+    """
+    fd = os.open(db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _flock_holder(fd) if exc.errno in (errno.EAGAIN, errno.EACCES) else None
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        raise _in_use(db_path.parent, holder or _pid_in(db_path.parent / LOCK_NAME)) from exc
+    st, now = os.fstat(fd), os.stat(db_path)
+    if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+        os.close(fd)
+        raise _in_use(db_path.parent, _pid_in(db_path.parent / LOCK_NAME))
+    return fd
+
+
 def _lock_state_dir(lock_path: Path) -> int:
     """Take ``lock_path``'s exclusive flock and write our pid in it; the open fd holds it."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -270,11 +352,7 @@ def _lock_state_dir(lock_path: Path) -> int:
         os.close(fd)
         if exc.errno not in (errno.EAGAIN, errno.EACCES):
             raise
-        pid = int(holder) if holder.isdigit() else None
-        who = "chandrad" if pid is None else f"chandrad (pid {pid})"
-        raise StateDirInUse(
-            f"another {who} is using {lock_path.parent}; stop it first, or give this "
-            "daemon its own daemon.state_dir", path=str(lock_path.parent), pid=pid) from exc
+        raise _in_use(lock_path.parent, int(holder) if holder.isdigit() else None) from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
     return fd
@@ -283,11 +361,17 @@ def _lock_state_dir(lock_path: Path) -> int:
 class Store:
     """The SQLite store. Build with :meth:`open`; use from one thread."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path, lock_fd: int | None = None) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path,
+                 lock_fds: tuple[int, ...] = ()) -> None:
         self._conn = conn
-        self._lock_fd = lock_fd
+        self._lock_fds = lock_fds
         self.path = path
         self.recovered = Recovered()
+        #: ``PRAGMA quick_check`` at open: seconds it took, and whether it covered the
+        #: whole store within ``CHECK_BUDGET_S``.
+        self.check_s = 0.0
+        self.check_complete = True
+        self._marked = (path.parent / USED_MARKER).exists()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -296,51 +380,120 @@ class Store:
         """Open (creating if needed) the store in ``state_dir`` and recover from a crash.
 
         Raises:
-            StateDirInUse: another process holds ``state_dir``'s lock.
+            StateDirInUse: another process holds the store's lock; nothing was changed.
+            StoreDamaged: the database is damaged, or empty where it held jobs.
+            StoreFull: the filesystem refused the writes of opening (migration, recovery).
             OSError: ``state_dir`` cannot be created or written.
         """
         state_dir.mkdir(parents=True, exist_ok=True)
-        lock_fd = _lock_state_dir(state_dir / LOCK_NAME)
+        path = state_dir / DB_NAME
+        gone = not path.exists()
+        existed = not gone and path.stat().st_size > 0
+        fds = [_lock_database(path)]
         try:
-            return cls._open_locked(state_dir / DB_NAME, lock_fd)
+            fds.append(_lock_state_dir(state_dir / LOCK_NAME))
+            if not existed and (state_dir / USED_MARKER).exists():
+                raise StoreDamaged(
+                    f"the store {path} is {'gone' if gone else 'empty'}, "
+                    f"but {state_dir / USED_MARKER} says it held jobs (a truncation, or a "
+                    "restore that left it out); " + _recovery(path), path=str(path))
+            return cls._open_locked(path, tuple(fds))
         except BaseException:
-            os.close(lock_fd)
+            for fd in fds:
+                os.close(fd)
             raise
 
     @classmethod
-    def _open_locked(cls, path: Path, lock_fd: int) -> Store:
+    def _open_locked(cls, path: Path, lock_fds: tuple[int, ...]) -> Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one per method.
         conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
-        conn.execute("PRAGMA journal_mode=WAL")
-        # FULL, not NORMAL: in WAL mode NORMAL survives kill -9 but a power cut may
-        # roll back the last commits. Ours record facts with side effects outside the
-        # database (an input moved to done/, outputs written), so a lost commit would
-        # disagree with the filesystem after a reboot. The cost is one fsync per state
-        # change, which is small next to a page of OCR; bulk intake uses accept_many.
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA foreign_keys=ON")
-        store = cls(conn, path, lock_fd)
-        store._migrate()
-        store.recovered = store._recover()
-        return store
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            # FULL, not NORMAL: in WAL mode NORMAL survives kill -9 but a power cut may
+            # roll back the last commits. Ours record facts with side effects outside the
+            # database (an input moved to done/, outputs written), so a lost commit would
+            # disagree with the filesystem after a reboot. The cost is one fsync per state
+            # change, which is small next to a page of OCR; bulk intake uses accept_many.
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            store = cls(conn, path, lock_fds)
+            store._quick_check()
+            store._migrate()
+            store.recovered = store._recover()
+            store._mark_used(conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchone() is not None)
+            return store
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            if _damaged(exc):
+                raise StoreDamaged(f"the store {path} is damaged ({exc}); " + _recovery(path),
+                                   path=str(path)) from None
+            raise
+        except BaseException:
+            conn.close()
+            raise
+
+    def _quick_check(self) -> None:
+        """``PRAGMA quick_check`` within ``CHECK_BUDGET_S``; damage raises StoreDamaged."""
+        t0 = time.monotonic()
+        deadline = t0 + CHECK_BUDGET_S
+        self._conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 100_000)
+        try:
+            rows = [r[0] for r in self._conn.execute("PRAGMA quick_check(5)")]
+        except sqlite3.OperationalError as exc:
+            if "interrupt" not in str(exc):
+                raise
+            rows, self.check_complete = ["ok"], False
+        finally:
+            self._conn.set_progress_handler(None, 0)
+            self.check_s = time.monotonic() - t0
+        if rows != ["ok"]:
+            raise StoreDamaged(f"the store {self.path} is damaged (PRAGMA quick_check: "
+                               f"{' '.join(' '.join(str(r).split()) for r in rows)}); "
+                               + _recovery(self.path),
+                               path=str(self.path), problems=rows)
+
+    def _mark_used(self, has_jobs: bool = True) -> None:
+        """Write ``USED_MARKER`` once the store holds a job (best effort: a full disk
+        leaves it for the next accept)."""
+        if self._marked or not has_jobs:
+            return
+        marker = self.path.parent / USED_MARKER
+        try:
+            marker.write_text(f"{DB_NAME} beside this file held jobs. chandrad refuses to start "
+                              "on a missing or empty one while this file exists; delete it to "
+                              "start with an empty store on purpose.\n", encoding="ascii")
+        except OSError:
+            return
+        self._marked = True
 
     def close(self) -> None:
         """Close the connection (checkpoints the WAL), then release the state dir."""
         self._conn.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for fd in self._lock_fds:
+            os.close(fd)
+        self._lock_fds = ()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; IMMEDIATE so the read-check-write inside is atomic."""
-        self._conn.execute("BEGIN IMMEDIATE")
+        """One write transaction; IMMEDIATE so the read-check-write inside is atomic.
+
+        A write the filesystem refuses (SQLITE_FULL) rolls back and raises StoreFull.
+        """
         try:
-            yield self._conn
-        except BaseException:
-            self._conn.execute("ROLLBACK")
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF in _FULL_CODES:
+                raise StoreFull(f"the store's filesystem is full: {self.path} cannot grow "
+                                f"({exc}); free space there and chandrad goes on by itself",
+                                path=str(self.path)) from None
             raise
-        self._conn.execute("COMMIT")
 
     def _migrate(self) -> None:
         with self._tx() as c:
@@ -400,6 +553,7 @@ class Store:
         with self._tx():
             job_id = self._accept_one(watch_index, input_root, path, size, mtime, sha256,
                                       duplicates)
+        self._mark_used(job_id is not None)
         return None if job_id is None else self.get(job_id)
 
     def accept_many(
@@ -417,6 +571,7 @@ class Store:
                 job_id = self._accept_one(*item, duplicates)
                 if job_id is not None:
                     ids.append(job_id)
+        self._mark_used(bool(ids))
         return [job for job in (self.get(i) for i in ids) if job is not None]
 
     def _accept_one(
@@ -851,6 +1006,138 @@ class Store:
         row = self._conn.execute(
             "SELECT saved_at FROM learned_profiles WHERE key = ?", (key,)).fetchone()
         return None if row is None else float(row[0])
+
+
+def check(state_dir: Path) -> list[str]:
+    """``chandrad store check``: SQLite's full ``integrity_check`` of the store, read only
+    (safe while the daemon runs); what is wrong, [] when it is sound or not made yet."""
+    path = state_dir / DB_NAME
+    if not path.exists() or path.stat().st_size == 0:
+        if (state_dir / USED_MARKER).exists():
+            return [f"{path} is missing or empty, but {state_dir / USED_MARKER} says it "
+                    "held jobs"]
+        return []
+    try:
+        conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=10.0)
+    except sqlite3.Error as exc:
+        return [f"cannot open {path}: {exc}"]
+    try:
+        rows = [str(r[0]) for r in conn.execute("PRAGMA integrity_check(20)")]
+    except sqlite3.DatabaseError as exc:
+        return [str(exc)]
+    finally:
+        conn.close()
+    return [] if rows == ["ok"] else rows
+
+
+@dataclass(frozen=True)
+class Repaired:
+    """What :func:`repair` did: where the damaged file went, how many jobs were saved."""
+
+    damaged: Path
+    jobs: int
+    how: str
+
+
+def repair(state_dir: Path) -> Repaired:
+    """``chandrad store repair`` (the daemon stopped): rebuild the store from the rows
+    SQLite can still read, keep the damaged file beside it as
+    ``chandrad.sqlite3.damaged-<time>`` (and its ``-wal``).
+
+    Raises:
+        StateDirInUse: a daemon holds the store.
+        StoreDamaged: nothing usable could be rebuilt (the message says how to start fresh).
+    """
+    path = state_dir / DB_NAME
+    if not path.exists():
+        raise StoreDamaged(f"there is no store at {path} to repair", path=str(path))
+    fd = _lock_database(path)
+    try:
+        fresh = path.with_name(f"{DB_NAME}.recovered")
+        for leftover in (fresh, Path(f"{fresh}-wal"), Path(f"{fresh}-shm")):
+            leftover.unlink(missing_ok=True)
+        try:
+            how = _rebuild(path, fresh)
+            conn = sqlite3.connect(fresh)
+            try:
+                jobs = int(conn.execute("SELECT COUNT(*) FROM jobs").fetchone()[0])
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as exc:
+            fresh.unlink(missing_ok=True)
+            raise StoreDamaged(f"{path} could not be rebuilt ({exc}); " + _recovery(path),
+                               path=str(path)) from None
+        damaged = path.with_name(f"{DB_NAME}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+        for suffix in ("", "-wal", "-shm"):
+            if Path(f"{path}{suffix}").exists():
+                os.rename(f"{path}{suffix}", f"{damaged}{suffix}")
+        os.rename(fresh, path)
+    finally:
+        os.close(fd)
+    return Repaired(damaged=damaged, jobs=jobs, how=how)
+
+
+def _rebuild(path: Path, fresh: Path) -> str:
+    """Copy every row SQLite can still read from ``path``'s tables (by their own b-trees,
+    no index used: indexes are rebuilt) into ``fresh``, made with this version's schema;
+    the per-state counts follow from the triggers. What was lost, in words."""
+    conn = sqlite3.connect(fresh.as_uri(), uri=True, isolation_level=None)  # uri: ATTACH's
+    try:
+        Store(conn, fresh)._migrate()
+        conn.execute("ATTACH DATABASE ? AS old", (f"{path.as_uri()}?mode=ro",))
+        try:
+            version = int(conn.execute("SELECT version FROM old.schema_version").fetchone()[0])
+        except (sqlite3.DatabaseError, TypeError) as exc:
+            raise sqlite3.DatabaseError(f"its schema version cannot be read: {exc}") from None
+        if version != len(MIGRATIONS):
+            raise sqlite3.DatabaseError(f"it has schema version {version}; this chandrad "
+                                        f"repairs version {len(MIGRATIONS)} only")
+        lost: list[str] = []
+        conn.execute("BEGIN")
+        jobs = _copy_rows(conn, "jobs", lambda row: True, lost)
+        _copy_rows(conn, "pages", lambda row: row[0] in jobs, lost)
+        _copy_rows(conn, "learned_profiles", lambda row: True, lost)
+        conn.execute("COMMIT")
+        conn.execute("DETACH DATABASE old")
+    finally:
+        conn.close()
+    return "every row read" if not lost else "rows lost after damage in " + ", ".join(lost)
+
+
+def _copy_rows(conn: sqlite3.Connection, table: str, keep: Any, lost: list[str]) -> set[Any]:
+    """Copy ``old.table``'s readable rows into ``main.table``, up to the first damaged
+    page; the first column of each copied row (for jobs: the ids)."""
+    firsts: set[Any] = set()
+    try:
+        for row in conn.execute(f"SELECT * FROM old.{table} NOT INDEXED").fetchall():
+            if keep(row):
+                conn.execute(f"INSERT INTO main.{table} VALUES "
+                             f"({', '.join('?' * len(row))})", row)
+                firsts.add(row[0])
+    except sqlite3.DatabaseError:
+        lost.append(table)
+    return firsts
+
+
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite's error says the file is not a sound database."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _DAMAGE_CODES
+    text = str(exc)
+    return "malformed" in text or "not a database" in text
+
+
+def _recovery(path: Path) -> str:
+    """What to do about a damaged store (one message, for the log and the console)."""
+    state_dir = path.parent
+    return (f"chandrad does not start on it. Keep a copy first (cp -a {state_dir} "
+            f"{state_dir}.damaged); then either `chandrad store repair` (rebuilds {path.name} "
+            "from what SQLite can still read; the damaged file is kept beside it), or start "
+            f"fresh: move {path.name}, {path.name}-wal, {path.name}-shm and {USED_MARKER} "
+            "out of the state dir. A fresh store keeps done/, failed/ and output/ as they "
+            "are and accepts the files still in the inbox again; only the job history "
+            "(chandractl queue) starts empty. `chandrad store check` reports the damage.")
 
 
 def _statements(script: str) -> list[str]:

@@ -26,6 +26,7 @@ from chandrad.engine.replicas import GpuSlot, ReplicaSpec, plan_replicas
 from chandrad.errors import ConfigError, ConfigProblem, MetricsListenFailed, StateDirInUse
 from chandrad.metrics import Metrics, MetricsServer, parse_listen
 from chandrad.store import Store
+from chandrad.watch import folder_problems
 
 log = structlog.get_logger("chandrad.daemon")
 
@@ -77,9 +78,13 @@ def engine_name(engine_id: str) -> str:
 
 def open_store(cfg: Config) -> Store:
     """The store in ``daemon.state_dir``; another live daemon there, or a directory that
-    cannot be used, is a config error on that key."""
+    cannot be used, is a config error on that key. A damaged store raises StoreDamaged
+    (exit 78, the file and the way out named); the check's cost is logged."""
     try:
-        return Store.open(cfg.daemon.state_dir)
+        store = Store.open(cfg.daemon.state_dir)
+        log.info("store_checked", path=str(store.path), seconds=round(store.check_s, 3),
+                 complete=store.check_complete)
+        return store
     except StateDirInUse as exc:
         message, code = exc.message, exc.code
     except OSError as exc:
@@ -90,20 +95,17 @@ def open_store(cfg: Config) -> Store:
 
 
 def make_watch_folders(cfg: Config) -> None:
-    """Create every watched folder; each one that cannot be is a problem on its key."""
-    problems = []
-    for i, w in enumerate(cfg.watch):
-        for name in ("input", "output", "done", "failed"):
-            folder = getattr(w, name)
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                key = f"watch[{i}].{name}"
-                problems.append(ConfigProblem(
-                    key, f"cannot create {folder}: {exc.strerror or exc}", str(cfg.path),
-                    key_line_of(cfg, key), "config_watch_folder"))
+    """Check every watched folder, creating those that may be (``watch.folder_problems``);
+    each problem names its key, file and line."""
+    problems = watch_folder_problems(cfg, create=True)
     if problems:
         raise ConfigError(problems)
+
+
+def watch_folder_problems(cfg: Config, *, create: bool) -> list[ConfigProblem]:
+    """``watch.folder_problems`` located in ``cfg``'s file."""
+    return [dataclasses.replace(p, file=str(cfg.path), line=key_line_of(cfg, p.key))
+            for p in folder_problems(cfg.watch, create=create)]
 
 
 def describe_item(item: Any) -> str:
