@@ -478,3 +478,19 @@ def test_clients_that_never_read_a_long_queue_do_not_block_status(queue_server: 
     assert growth_mb < 36, (idle_rss, held_rss)  # before: +73 MiB
     assert not server.error_lines(), server.error_lines()[:3]
     assert server.events("control_connection_limit")[0]["evicted_not_reading"] >= 1
+
+
+def test_stopping_with_open_connections_logs_no_error(server: Server) -> None:
+    """The daemon stops while clients are connected: their connections end quietly
+    (each used to end as a cancelled task, which asyncio 3.11 logged as an ERROR
+    traceback)."""
+    clients = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(5)]
+    try:
+        for sock in clients:
+            sock.connect(str(server.path))
+        status_once(server.path)  # every connection is being served
+        server.stop()
+    finally:
+        for sock in clients:
+            sock.close()
+    assert not server.error_lines(), server.error_lines()[:1]
