@@ -38,6 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "pure": ("chandrad.tasks", "chandrad.config", "chandrad.protocol", "chandrad.interfaces",
              "chandrad.engine.classify", "chandrad.engine.profile", "chandrad.engine.launch",
              "chandrad.engine.command", "chandrad.engine.policy", "chandrad.engine.budget",
+             "chandrad.engine.progress",
              "chandrad.engine.replicas",
              "chandrad.ocr"),
     "adapter": ("chandrad.engine.process", "chandrad.engine.session", "chandrad.engine.learned",

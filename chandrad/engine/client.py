@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from chandrad.engine.progress import PROGRESS_SERIES
 from chandrad.errors import EngineUnavailable
 from chandrad.interfaces import ChatBody, EncodedJson
 
@@ -26,6 +27,8 @@ UNREACHABLE_MARKERS = ("error sending request for url", "No available workers")
 #: The engine's series the supervisor reads (dispatch, capacity and ``status``): the
 #: scheduler's queue. Scraped every few seconds, so only these are parsed.
 SCHEDULER_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+#: What the supervisor scrapes: the scheduler's gauges and the counters of its progress.
+ENGINE_SERIES = SCHEDULER_SERIES + PROGRESS_SERIES
 
 
 @functools.cache
@@ -101,7 +104,7 @@ class EngineClient:
         return await self.health() and model in await self.models()
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, float]:
-        """The engine's :data:`SCHEDULER_SERIES`, from its Prometheus page (empty when
+        """The engine's :data:`ENGINE_SERIES`, from its Prometheus page (empty when
         unavailable)."""
         try:
             response = await self._http.get("/metrics", timeout=timeout)
@@ -109,7 +112,7 @@ class EngineClient:
             return {}
         if response.status_code != 200:
             return {}
-        return parse_metrics(response.text, SCHEDULER_SERIES)
+        return parse_metrics(response.text, ENGINE_SERIES)
 
     async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
         """``POST /v1/chat/completions``. An :class:`EncodedJson` body is sent part after

@@ -153,9 +153,11 @@ def scrub_systemd_env(env: Mapping[str, str]) -> dict[str, str]:
 
     A child that inherits ``NOTIFY_SOCKET`` or ``WATCHDOG_*`` could speak for the unit
     (``NotifyAccess=main`` would drop it, but a foreign ``READY=1`` is still confusing);
-    ``LISTEN_*`` would make it claim our sockets.
+    ``LISTEN_*`` would make it claim our sockets. ``config.REFUSED_ENGINE_ENV`` goes too:
+    an engine kept alive after its core died would hide the failure.
     """
-    return {k: v for k, v in env.items() if not k.startswith(SCRUBBED_ENV_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if not k.startswith(SCRUBBED_ENV_PREFIXES) and k not in config.REFUSED_ENGINE_ENV}
 
 
 def engine_env(

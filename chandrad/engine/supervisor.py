@@ -26,7 +26,7 @@ import structlog
 
 from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine.budget import RestartBudget
-from chandrad.engine.classify import Diagnosis, FailureClass
+from chandrad.engine.classify import Diagnosis, FailureClass, action_for
 from chandrad.engine.client import EngineClient
 from chandrad.engine.command import (
     build_engine_command,
@@ -41,6 +41,7 @@ from chandrad.engine.learned import learned_key, vllm_version_of
 from chandrad.engine.policy import ProfileChange, ProfilePolicy
 from chandrad.engine.process import EngineProcess, process_name
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile
+from chandrad.engine.progress import ProgressWatch
 from chandrad.engine.session import TOKEN_ENV, identify, new_token, token_holders
 from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
 from chandrad.events import Event
@@ -185,6 +186,7 @@ class EngineSupervisor:
         self.budget = RestartBudget(engine.downshift)
         self.last_failure: Diagnosis | None = None
         self.last_failure_at: float | None = None
+        self._failed_after_ready = False
         self._gen: Generation | None = None
         self.fetch_child: FetchChild | None = None  # while FETCHING
         self._client = EngineClient(engine.base_url, api_key=engine.api_key,
@@ -197,6 +199,12 @@ class EngineSupervisor:
         self.fatal_reason = ""
         self.metrics: dict[str, float] = {}
         self._chats_in_flight = 0
+        #: Requests the engine answered (any answer), since the daemon started.
+        self._chats_answered = 0
+        #: The requests at the engine now, each its own task: a failure cuts them at once.
+        self._chat_calls: set[asyncio.Future[dict[str, Any]]] = set()
+        #: Requests in flight and no progress for engine.progress_timeout: hung.
+        self.progress = ProgressWatch(engine.progress_timeout)
         self._flags_checked: EngineConfig | None = None
         self.generation = 0  # bumped at every spawn: lets a waiter see "a new engine"
         self.backlog = backlog or (lambda: False)
@@ -281,10 +289,27 @@ class EngineSupervisor:
         if self._state is not EngineState.READY:
             raise EngineUnavailable(f"engine is {self._state.value}")
         self._chats_in_flight += 1
+        call = asyncio.ensure_future(self._client.chat(body, timeout=timeout))
+        self._chat_calls.add(call)
         try:
-            return await self._client.chat(body, timeout=timeout)
+            reply = await call
+        except EngineUnavailable:
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and task is not None and not task.cancelling():
+                # Cut by _fail (the engine hung or died under it), not by our caller.
+                raise EngineUnavailable(f"engine failed under the request: "
+                                        f"{self._state.value}") from None
+            raise
+        except Exception:
+            self._chats_answered += 1  # an error answer: the engine is alive
+            raise
         finally:
+            self._chat_calls.discard(call)
             self._chats_in_flight -= 1
+        self._chats_answered += 1
+        return reply
 
     def pick(self) -> EngineSupervisor | None:
         """One engine: itself while ready (``EngineHandle``; the dispatcher picks among
@@ -547,6 +572,9 @@ class EngineSupervisor:
         return True
 
     def _fail(self, diagnosis: Diagnosis, exit_code: int | None) -> None:
+        for call in self._chat_calls:
+            call.cancel()  # their pages go back to the queue, uncharged (pipeline)
+        self._failed_after_ready = self._state is EngineState.READY
         self.last_failure = diagnosis
         self.last_failure_at = time.time()
         self._transition(EngineState.FAILED, f"{diagnosis.cls}", exit_code=exit_code,
@@ -592,6 +620,7 @@ class EngineSupervisor:
                     return
                 gen.ready_at = time.monotonic()
                 gen.scanner.mark_ready()
+                self.progress = ProgressWatch(self.engine.progress_timeout)
                 seconds = round(gen.ready_at - gen.started_at, 1)
                 self._transition(EngineState.READY, "health 200 and model listed",
                                  seconds=seconds)
@@ -650,6 +679,15 @@ class EngineSupervisor:
             if now >= last_metrics + every:
                 self.metrics = await self._client.metrics()
                 last_metrics = now
+            stall = self.progress.observe(time.monotonic(), in_flight=self._chats_in_flight,
+                                          answered=self._chats_answered, metrics=self.metrics)
+            if stall is not None and self.engine.progress_timeout > 0:
+                self._fail(Diagnosis(
+                    cls=FailureClass.ENGINE_HUNG, evidence=stall.evidence(),
+                    numbers=stall.numbers(),
+                    action=f"{action_for(FailureClass.ENGINE_HUNG)} (engine.progress_timeout="
+                    f"{self.engine.progress_timeout:g}s)", restartable=True), exit_code=None)
+                return
             if now >= next_health or self._probe_now.is_set():
                 healthy = await self._client.health()
                 failed_probes = 0 if healthy else failed_probes + 1
@@ -689,7 +727,7 @@ class EngineSupervisor:
         if self.policy.stable():
             self.log.info("profile_upshift_kept", profile=self.profile.to_dict())
         self._stable = True
-        self.budget.clear()
+        self.budget.forgive_startup()
         key = self.learned_key()
         if self.profiles is not None and key:
             self.profiles.save_learned_profile(key, self.profile.to_dict())
@@ -707,7 +745,7 @@ class EngineSupervisor:
             self._give_up(f"{diag.cls}: a restart cannot fix this ({diag.subclass or 'fatal'}): "
                           f"{diag.action}")
             return
-        spent = self.budget.charge(time.monotonic())
+        spent = self.budget.charge(time.monotonic(), after_ready=self._failed_after_ready)
         if spent:
             self._give_up(spent)
             return
