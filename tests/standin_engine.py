@@ -35,6 +35,14 @@ read once at start, so that a test can change what the *next* generation does:
   ``import_error``, ``killed``, ``sleep:S``; the last repeats).
 * ``per_port``: overrides for the replica on that port (replica i listens on port + i).
 * ``delay_s``: seconds each page takes (default 0.2; 0 in a wrapper's).
+* ``hang_after``: N answered, the engine core hangs (vllm-project/vllm#39863, #7633): every
+  later request is accepted and never answered while ``/health`` still says 200;
+  ``/metrics`` shows them waiting, none running, the token counters stand still, and
+  vLLM's stats line says "Running: 0 reqs, Waiting: N reqs" every 10 s.
+* ``exit_after``: N answered, the API server shuts down as vLLM's does when its core died
+  (vllm-project/vllm#48966): uvicorn's shutdown lines, then exit status 0.
+* ``generations``: a list of overrides, one per spawn in turn (the last repeats), merged
+  into the scenario of that spawn: ``[{"hang_after": 2}, {}]`` hangs once, then serves.
 * ``max_model_len``: reported by ``/v1/models``; a ``max_tokens`` that does not fit after
   the prompt is answered with vLLM 0.11-0.17's 400 (MinerU#4868).
   ``prompt_text_tokens``: the prompt's text tokens, plus one per 32x32 px of the page.
@@ -211,6 +219,9 @@ class EngineServer(ThreadingHTTPServer):
     served = "chandra"
     max_model_len: int | None = None
     running = 0
+    waiting = 0  #: requests a hung core holds
+    prompt_tokens = 0  #: vLLM's counters, as the requests answered add to them
+    generation_tokens = 0
 
 
 class EngineHandler(BaseHTTPRequestHandler):
@@ -245,10 +256,12 @@ class EngineHandler(BaseHTTPRequestHandler):
                 model["max_model_len"] = self.server.max_model_len
             self.send(200, {"object": "list", "data": [model]})
         elif self.path == "/metrics":
-            self.send(200, (f'vllm:num_requests_running{{model_name="{served}"}} '
-                            f'{self.server.running}.0\n'
-                            f'vllm:num_requests_waiting{{model_name="{served}"}} 0.0\n'
-                            ).encode(), "text/plain")
+            label = f'{{model_name="{served}"}}'
+            self.send(200, (f'vllm:num_requests_running{label} {self.server.running}.0\n'
+                            f'vllm:num_requests_waiting{label} {self.server.waiting}.0\n'
+                            f'vllm:prompt_tokens_total{label} {self.server.prompt_tokens}.0\n'
+                            f'vllm:generation_tokens_total{label} '
+                            f'{self.server.generation_tokens}.0\n').encode(), "text/plain")
         else:
             self.send(404, {"detail": "Not Found"})
 
@@ -262,6 +275,9 @@ class _Engine(EngineServer):
     lock: threading.Lock
     answered: dict[str, int]
     gate_open: threading.Event
+    completed: int
+    hang_after: int | None
+    exit_after: int | None
 
 
 def _read(path: Path | None) -> dict[str, Any]:
@@ -354,6 +370,13 @@ class _ChatHandler(EngineHandler):
                                      f"length is {limit} tokens and your request has {prompt} "
                                      f"input tokens ({max_tokens} > {limit} - {prompt})."))
                 return
+            if self.server.hang_after is not None \
+                    and self.server.completed >= self.server.hang_after:
+                with self.server.lock:
+                    self.server.running -= 1
+                    self.server.waiting += 1
+                while True:  # a hung core: accepted, never answered
+                    time.sleep(3600)
             gate = int(scenario.get("gate", 0))
             if gate:  # one-shot: hold requests until this many are held at once
                 if running >= gate:
@@ -376,9 +399,17 @@ class _ChatHandler(EngineHandler):
             return
         content = str(reply.get("content", '<div data-bbox="10 10 500 60" data-label="Text">'
                                 f'<p>stand-in page {page["sha256"][:16]}</p></div>'))
+        with self.server.lock:
+            self.server.prompt_tokens += prompt
+            self.server.generation_tokens += 10
         self.send(200, completion(self.server.served, content.replace("{n}", str(reply["n"])),
                                   finish_reason=str(reply.get("finish_reason", "stop")),
                                   prompt_tokens=prompt, completion_tokens=10))
+        with self.server.lock:
+            self.server.completed += 1
+            done = self.server.completed
+        if self.server.exit_after is not None and done == self.server.exit_after:
+            threading.Thread(target=_core_died_quietly, daemon=True).start()
         path = os.environ.get("STANDIN_LOG")
         if path:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -448,6 +479,25 @@ def _kv_late(pause_s: float) -> None:
         time.sleep(3600)
 
 
+def _core_died_quietly() -> None:
+    """vLLM's API server after its EngineCore died (#48966): a normal shutdown, status 0."""
+    time.sleep(0.2)  # the last answer leaves first
+    for line in ("Shutting down", "Waiting for application shutdown.",
+                 "Application shutdown complete.", f"Finished server process [{os.getpid()}]"):
+        log("APIServer", "INFO", "", line)
+    os._exit(0)
+
+
+def _stats_lines(server: EngineServer) -> None:
+    """vLLM's periodic stats line (loggers.py), every 10 s, as a hung core leaves it."""
+    while True:
+        time.sleep(10)
+        log("APIServer", "INFO", "loggers.py:123", "Engine 000: Avg prompt throughput: 0.0 "
+            "tokens/s, Avg generation throughput: 0.0 tokens/s, Running: "
+            f"{server.running} reqs, Waiting: {server.waiting} reqs, GPU KV cache usage: "
+            "0.0%, Prefix cache hit rate: 0.0%")
+
+
 def _mamba_refused(seqs: int, blocks: int) -> None:
     """vLLM's refusal of more sequences than Mamba-state blocks, as a single-GPU engine
     prints it: EngineCore's exception log, then the API server's RuntimeError."""
@@ -482,6 +532,12 @@ def serve(scenario_path: Path | None, argv: list[str]) -> int:
     # One scenario for several replicas: "per_port" overrides what the engine on that port
     # does (replica i listens on engine.port + i).
     scenario = {**scenario, **scenario.get("per_port", {}).get(str(args.port), {})}
+    plan = scenario.get("generations")
+    if plan and folder is not None:
+        counter = folder / "generation.count"
+        n = int(counter.read_text()) if counter.exists() else 0
+        counter.write_text(str(n + 1))
+        scenario = {**scenario, **plan[min(n, len(plan) - 1)]}
     mode = str(scenario.get("mode", "serve"))
     util, eager = args.gpu_memory_utilization, args.enforce_eager
     _record(folder, what="spawn", pid=os.getpid(), util=util, eager=eager, argv=argv,
@@ -537,6 +593,11 @@ def serve(scenario_path: Path | None, argv: list[str]) -> int:
     server.prompt_text_tokens = scenario.get("prompt_text_tokens")
     server.lock, server.answered = threading.Lock(), {}
     server.gate_open = threading.Event()
+    server.completed = 0
+    server.hang_after = scenario.get("hang_after")
+    server.exit_after = scenario.get("exit_after")
+    if server.hang_after is not None:
+        threading.Thread(target=_stats_lines, args=(server,), daemon=True).start()
     port = server.server_address[1]
     log(who, "INFO", "api_server.py:1890", f"Starting vLLM API server 0 on "
         f"http://{args.host}:{port}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner
+from chandrad.engine.classify import Diagnosis, FailureClass, LineScanner, action_for
 from chandrad.engine.process import EngineProcess, kill_pids, oom_kill_count, process_name
 from chandrad.engine.session import (
     EngineIdentity,
@@ -89,6 +89,18 @@ class Generation:
         verdict = self.scanner.finish(exit_code, was_ready)
         if verdict.cls is FailureClass.NONE and self.early is not None:
             return self.early
+        if verdict.cls is FailureClass.NONE and exit_code is not None:
+            # Nobody asked it to stop (a requested stop never reaches here), yet its lines
+            # name no failure: vLLM's API server exits 0 when its EngineCore dies
+            # (vllm-project/vllm#48966). A failure all the same, counted by the budget.
+            last = next((ln for ln in reversed(list(self.scanner.lines())) if ln), "")
+            return Diagnosis(
+                cls=FailureClass.ENGINE_EXITED,
+                evidence=f"exited with status {exit_code} without being asked to stop"
+                + (f"; its last line: {last[:300]}" if last else ""),
+                numbers={"exit_status": float(exit_code)},
+                action=action_for(FailureClass.ENGINE_EXITED),
+                restartable=True, subclass=f"status_{exit_code}")
         if verdict.cls is FailureClass.HOST_OOM and verdict.subclass == "sigkill":
             now = oom_kill_count()
             if now is not None and self.oom_kills_at_start is not None \
