@@ -161,7 +161,8 @@ def test_an_engine_that_keeps_exiting_0_after_stable_ends_fatal(
     assert "after the engine was ready" in status["fatal_reason"], status
     assert status["last_failure"]["class"] == "engine_exited", status
     shown = d.ctl("status").stdout
-    assert "nothing to do" not in shown, shown
+    assert "nothing to do" not in shown and "restart with backoff" not in shown, shown
+    assert "none until an operator acts" in shown, shown
     assert "engine_exited" in shown and "fatal" in shown, shown
 
 

@@ -87,6 +87,10 @@ def _changes(changes: Any) -> str:
 
 # ----------------------------------------------------------------- views
 
+#: What ``status`` says an operator must do about a ``fatal`` engine (it waits for them).
+FATAL_ACTION = ("none until an operator acts: fix the cause, then `chandractl engine "
+                "restart` or `chandractl reload`")
+
 
 def status_blocks(r: dict[str, Any]) -> list[Block]:
     daemon = r.get("daemon") or {}
@@ -107,14 +111,20 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
         summary.rows.append(("fetch", f"{text(fetch.get('model'))}: {done}/{total} bytes"
                                       f"{share}"))
     failure = engine.get("last_failure")
+    # A fatal engine is not restarted, whatever its last failure's remedy said.
+    fatal = engine.get("state") == "fatal"
     if isinstance(failure, dict):
         summary.rows.append(("last failure", f"{text(failure.get('class'))} at "
                              f"{when(failure.get('at_wall'))}"))
         summary.rows.append(("evidence", text(failure.get("evidence"))))
-        if failure.get("action"):
+        if fatal:
+            summary.rows.append(("action", FATAL_ACTION))
+        elif failure.get("action"):
             summary.rows.append(("action", text(failure.get("action"))))
     else:
-        summary.rows.append(("last failure", "none"))
+        summary.rows.append(("last failure", "none recorded" if fatal else "none"))
+        if fatal:
+            summary.rows.append(("action", FATAL_ACTION))
     if engine.get("fatal_reason"):
         summary.rows.append(("fatal", text(engine.get("fatal_reason"))))
     summary.rows.append(("queue", "  ".join(
