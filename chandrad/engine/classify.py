@@ -66,8 +66,14 @@ How it decides, in order of strength:
    exception, a traceback in CPython's, IPython's, rich's or native form even when its
    exception line was cut, a panic, a non-zero exit status) are ``other_fatal`` with a finer
    ``subclass``; a non-zero exit with no evidence at all is ``other_fatal``/``exited``.
+   vLLM's start-up checks of one budget against another (``max_num_batched_tokens`` below
+   ``max_model_len`` or ``max_num_seqs``, an image's tokens above ``max_num_batched_tokens``,
+   external weights above the utilisation) name their settings and are not restartable. A
+   request the API server rejected as invalid (an image above the encoder cache) is no
+   failure of the engine.
 
-Measured on real excerpts from public issue threads: tests/fixtures/classify/README.md.
+Measured on real excerpts from public issue threads and on vLLM's own templates at the pinned
+and the newest release: tests/fixtures/classify/README.md.
 """
 
 from __future__ import annotations
@@ -285,7 +291,11 @@ _KV_NO_MEMORY = re.compile(
     r"No available memory for the cache"
     # SGLang, where chandrad's engine may be wrapped: the same condition in its words.
     r"|(?:no|not enough) (?:GPU |device )?memory (?:left )?for (?:the )?KV cache"
-    r"|Not enough memory\. Please try to increase --mem-fraction-static",
+    r"|Not enough memory\. Please try to increase --mem-fraction-static"
+    # vLLM's auto-fit of max_model_len with no room for one token; the CPU backend's worker
+    # whose own footprint fills its reservation ("… leaving none for the KV cache").
+    r"|Cannot auto-fit max_model_len: not enough (?:GPU |device )?memory"
+    r"|leaving none for the KV cache",
     _I,
 )
 _KV_MAX_SEQ = re.compile(
@@ -322,12 +332,14 @@ _MAMBA_ASSERT = re.compile(r"assert num_cache_lines >= batch\b")
 _GMU = re.compile(
     r"Free memory on device.{0,80}?on startup\s+is less than"
     r"|Error in memory profiling"
-    r"|less than desired GPU memory utilization",
+    r"|less than desired GPU memory utilization"
+    # The CPU backend's equivalent: the NUMA node's free memory below the KV cache's share.
+    r"|on kv cache\s+allocation is less than requested memory for kv",
     _I,
 )
 _LOAD_OOM_VLLM = re.compile(
     r"Failed to load model - not enough GPU memory"
-    r"|out of memory occurred when (?:warming up|profiling|capturing)"
+    r"|out of memory (?:occurred when|while) (?:warming up|profiling|capturing)"
     r"|not enough (?:GPU|device) memory to load",
     _I,
 )
@@ -551,6 +563,31 @@ _OTHER: tuple[tuple[re.Pattern[str], str, bool], ...] = (
             _I,
         ),
         "unsupported_architecture",
+        False,
+    ),
+    # vLLM's start-up checks of the scheduler's and encoder's budgets against each other:
+    # the same settings fail the same way, so no restart; the ladder must not produce them.
+    (
+        re.compile(r"max_num_batched_tokens \(\d+\) is smaller than max_model_len", _I),
+        "batched_tokens_below_model_len",
+        False,
+    ),
+    (
+        re.compile(
+            r"max_num_batched_tokens \(\d+\) must be greater than or equal to max_num_seqs", _I
+        ),
+        "batched_tokens_below_max_num_seqs",
+        False,
+    ),
+    (
+        re.compile(r"max_tokens_per_mm_item \(\d+\) is larger than max_num_batched_tokens", _I),
+        "mm_item_exceeds_batched_tokens",
+        False,
+    ),
+    (
+        # Weights held by another process (RL weight sharing) above the utilisation budget.
+        re.compile(r"Externally held weights on device .* exceed the desired GPU memory", _I),
+        "external_weights_exceed_utilization",
         False,
     ),
     (
@@ -869,6 +906,20 @@ _FATAL_ACTIONS: dict[str, str] = {
         "cannot use it)"
     ),
     "address_in_use": "another process holds the engine port: free it or change engine.port",
+    "batched_tokens_below_model_len": (
+        "max_num_batched_tokens is below max_model_len: raise max_num_batched_tokens to at "
+        "least max_model_len, lower max_model_len, or enable chunked prefill"
+    ),
+    "batched_tokens_below_max_num_seqs": (
+        "max_num_batched_tokens is below max_num_seqs: raise it or lower max_num_seqs"
+    ),
+    "mm_item_exceeds_batched_tokens": (
+        "one image's tokens exceed max_num_batched_tokens with chunked multimodal input off: "
+        "raise max_num_batched_tokens or lower the pixel budget"
+    ),
+    "external_weights_exceed_utilization": (
+        "weights held outside the engine exceed its gpu_memory_utilization share: raise it"
+    ),
     "ecc_xid": "the GPU reported a hardware fault: check dmesg/nvidia-smi; restart with backoff",
 }
 
@@ -1093,6 +1144,19 @@ def _gmu_numbers(text: str) -> dict[str, float]:
     if m:
         n["free_gib"] = _gib(m.group(1), m.group(3))
         n["total_gib"] = _gib(m.group(2), m.group(3))
+    # CPU backend: "Available memory on node 0 (12.4/62.7 GiB) on kv cache allocation is less
+    # than requested memory for kv (18.1/31.35 GiB)" (or "(40.0 GiB)").
+    m = re.search(
+        r"Available memory on node.*?\(\s*([\d.]+)\s*/\s*([\d.]+)\s*(GiB|GB|MiB|MB)\s*\)", text, _I
+    )
+    if m:
+        n["free_gib"] = _gib(m.group(1), m.group(3))
+        n["total_gib"] = _gib(m.group(2), m.group(3))
+    m = re.search(
+        r"requested memory for kv\s*\(\s*([\d.]+)\s*(?:/\s*[\d.]+\s*)?(GiB|GB|MiB|MB)", text, _I
+    )
+    if m:
+        n["requested_gib"] = _gib(m.group(1), m.group(2))
     m = re.search(
         r"(?:utilization|excluding external process's weights)\s*\(\s*([\d.]+)\s*,\s*" + _SIZE,
         text,
@@ -1103,6 +1167,18 @@ def _gmu_numbers(text: str) -> dict[str, float]:
         n["requested_gib"] = _gib(m.group(2), m.group(3))
     _put(n, "initial_free_gib", _size_after(r"Initial free memory", text))
     _put(n, "current_free_gib", _size_after(r"current free memory", text))
+    return n
+
+
+def _budget_numbers(text: str) -> dict[str, float]:
+    """The settings a scheduler/encoder budget check names ("max_num_batched_tokens (8192) is
+    smaller than max_model_len (18000)"), by their own names."""
+    n: dict[str, float] = {}
+    keys = ("max_num_batched_tokens", "max_model_len", "max_num_seqs", "max_tokens_per_mm_item")
+    for key in keys:
+        m = re.search(r"\b" + key + r"\s*\(\s*(\d[\d,]*)\s*\)", text)
+        if m:
+            n[key] = float(m.group(1).replace(",", ""))
     return n
 
 
@@ -1191,7 +1267,11 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
         i = _find(before_stop if sub in _AFTER_STOP_BENIGN else lines, pattern)
         if i >= 0:
             return _make(
-                FailureClass.OTHER_FATAL, lines[i], {}, subclass=sub, restartable=restartable
+                FailureClass.OTHER_FATAL,
+                lines[i],
+                _budget_numbers(lines[i].text),
+                subclass=sub,
+                restartable=restartable,
             )
 
     # 5. Killed with nothing else to say: the kernel's OOM killer is the usual sender.
@@ -1206,7 +1286,7 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     # 6. Any other final exception, or a non-zero exit. Exceptions after a requested
     #    shutdown (SIGTERM/SIGINT) are its consequences (EngineDeadError), not a failure;
     #    so are those Python reports as unraisable ("Exception ignored in: …").
-    ignored = _unraisable_report_lines(lines)
+    ignored = _unraisable_report_lines(lines) | _request_rejection_lines(lines)
     last_exc = -1
     for k, ln in enumerate(lines[: stop if stop >= 0 else None]):
         if (
@@ -1231,12 +1311,15 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
     # A failure stated without an exception class or a traceback: "Exception in thread …",
     # a bare "Error: …", V0's "Error executing method …", an exception class that does not
     # end in Error, or a line logged at ERROR that says something failed.
-    failed = _find(lines[: stop if stop >= 0 else None], _FAILURE_STATEMENT, unless_hedged=True)
+    unignored = [
+        ln if k not in ignored else _Line(ln.raw, "", ln.level) for k, ln in enumerate(lines)
+    ][: stop if stop >= 0 else None]
+    failed = _find(unignored, _FAILURE_STATEMENT, unless_hedged=True)
     if failed < 0:
         failed = next(
             (
                 k
-                for k, ln in enumerate(lines[: stop if stop >= 0 else None])
+                for k, ln in enumerate(unignored)
                 if ln.level == "ERROR" and _FAILURE_WORD.search(ln.text)
             ),
             -1,
@@ -1251,6 +1334,33 @@ def _diagnose(lines: Sequence[_Line], exit_code: int | None, was_ready: bool) ->
 
 
 _UNRAISABLE = re.compile(r"^Exception ignored (?:in|on|while)\b")
+# A request vLLM refused while validating it (an image with more embeddings than the encoder
+# cache holds, any VLLMValidationError): the API server logs the traceback and answers 400;
+# the engine serves on. Also the handler's own line that introduces the traceback.
+_REQUEST_REJECTED = re.compile(
+    r"\bVLLMValidationError\b|exceeds the pre-allocated encoder cache size", _I
+)
+_REQUEST_HANDLER_LOG = re.compile(
+    r"^Error (?:in preprocessing prompt inputs|preparing request components)\b", _I
+)
+
+
+def _request_rejection_lines(lines: Sequence[_Line]) -> set[int]:
+    """Lines of the API server's report of a request it rejected as invalid: the exception,
+    its traceback (back to "Traceback (most recent call last):") and the handler's line."""
+    out: set[int] = set()
+    for k, ln in enumerate(lines):
+        if not (_EXCEPTION.match(ln.text) and _REQUEST_REJECTED.search(ln.text)):
+            continue
+        start = next(
+            (j for j in range(k - 1, max(k - 60, -1), -1) if _TRACEBACK.match(lines[j].text)
+             and lines[j].text.startswith("Traceback")),
+            k,
+        )
+        if start > 0 and _REQUEST_HANDLER_LOG.match(lines[start - 1].text):
+            start -= 1
+        out.update(range(start, k + 1))
+    return out
 
 
 def _unraisable_report_lines(lines: Sequence[_Line]) -> set[int]:
