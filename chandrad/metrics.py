@@ -93,6 +93,9 @@ class EngineView(Protocol):
     @property
     def capacity(self) -> int: ...
 
+    @property
+    def stalled_seconds(self) -> float: ...
+
     def learned_key(self) -> str: ...
 
 
@@ -183,6 +186,11 @@ class DaemonCollector(Collector):
                                        "failure since the daemon started.", labels=["engine"])
         cap = GaugeMetricFamily("chandrad_engine_capacity", "In-flight requests the pipeline "
                                 "aims for.", labels=["engine"])
+        stalled = GaugeMetricFamily("chandrad_engine_stalled_seconds", "Seconds the engine's "
+                                    "requests in flight have waited with none answered and "
+                                    "no token generated (0 when idle or moving); at "
+                                    "engine.progress_timeout it is failed as engine_hung.",
+                                    labels=["engine"])
         gauges = {key: GaugeMetricFamily(f"chandrad_engine_profile_{suffix}",
                                          f"Memory profile in force: {key} (absent = vLLM "
                                          "default).", labels=["engine"])
@@ -199,6 +207,7 @@ class DaemonCollector(Collector):
                 state.add_metric([eid, value.value], 1.0 if value is engine.state else 0.0)
             restarts.add_metric([eid], float(engine.restarts))
             cap.add_metric([eid], float(engine.capacity))
+            stalled.add_metric([eid], round(engine.stalled_seconds, 1))
             profile = engine.profile.to_dict()
             for key, _, factor in PROFILE_GAUGES:
                 if profile.get(key) is not None:  # None: vLLM's own default, not known here
@@ -214,6 +223,7 @@ class DaemonCollector(Collector):
         yield state
         yield restarts
         yield cap
+        yield stalled
         yield from (fam for fam in gauges.values() if fam.samples)
         yield source_fam
         if age.samples:

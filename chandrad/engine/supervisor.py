@@ -278,6 +278,13 @@ class EngineSupervisor:
         headroom = 0 if waiting > 0 else max(2, seqs // 4)
         return max(1, seqs + headroom)
 
+    @property
+    def stalled_seconds(self) -> float:
+        """How long requests in flight have waited without progress (0 unless ready)."""
+        if self._state is not EngineState.READY:
+            return 0.0
+        return self.progress.stalled_for(time.monotonic())
+
     async def wait_ready(self) -> None:
         await self._ready_event.wait()
 
