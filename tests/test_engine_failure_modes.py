@@ -21,9 +21,10 @@ from daemon_harness import Daemon, drop
 from standin_engine import events, write_standin
 
 from chandrad.config import REFUSED_ENGINE_ENV, EngineConfig, parse_config
+from chandrad.engine.client import ENGINE_SERIES, parse_metrics
 from chandrad.engine.command import engine_env
 from chandrad.engine.profile import MemoryProfile
-from chandrad.engine.progress import ProgressWatch
+from chandrad.engine.progress import PROGRESS_SERIES, ProgressWatch
 from chandrad.errors import ConfigError
 
 PROGRESS_TIMEOUT = 5.0
@@ -203,3 +204,13 @@ def test_keep_alive_on_engine_death_never_reaches_the_engine() -> None:
     assert [p.key for p in problems] == ["engine.env"], problems
     assert "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH" in problems[0].message
     assert refused.value.exit_code == 78
+
+
+def test_progress_counters_are_read_from_vllms_own_metrics_page() -> None:
+    """vLLM 0.32's real /metrics page (busy, the CPU engine): the supervisor's scrape
+    carries both progress counters, summed over their labels."""
+    page = (Path(__file__).parent / "fixtures" / "vllm_cpu_metrics_busy.txt").read_text()
+    scraped = parse_metrics(page, ENGINE_SERIES)
+    assert scraped["vllm:prompt_tokens_total"] == 9536.0
+    assert scraped["vllm:generation_tokens_total"] == 97.0
+    assert set(PROGRESS_SERIES) <= set(scraped)
