@@ -143,6 +143,7 @@ def write_config(root: Path, standin: StandinEngine, watches: list[Folders],
     watch_text = "\n".join(f"""
 [[watch]]
 input = "{w.input}"
+create_input = true
 output = "{w.output}"
 done = "{w.done}"
 failed = "{w.failed}"
@@ -819,7 +820,9 @@ def test_a_full_engine_has_half_a_batch_rendered_behind_it(tmp_path: Path,
     seqs = 64
     watch = folders(tmp_path, "w")
     config = write_config(tmp_path, standin, [watch],
-                          engine_lines=f"[engine.memory]\nmax_num_seqs = {seqs}\n")
+                          # it holds every request on purpose: not a hung engine here
+                          engine_lines=f"progress_timeout = 0\n"
+                          f"[engine.memory]\nmax_num_seqs = {seqs}\n")
     standin.server.update(gate=10_000, gate_s=600)
     pdf = watch.input / "long.pdf"
     pdf.write_bytes((corpus_dir / "good" / "digital_de-math-lecture-notes_117p_geotopo.pdf")
