@@ -4,9 +4,10 @@ Rows come from tests/fixtures/classify/templates/vllm-<version>.jsonl (generated
 release's source by extract.py in that folder; each names the vLLM file:line). Each template's
 sample is rendered into the log vLLM prints: a failure raised at start-up as EngineCore's
 ERROR traceback ending in the exception, then the engine process's exit and the API server's
-"Engine core initialization failed"; a request's validation error as the API server's ERROR
-traceback and a 400; a WARNING or INFO line as that line among a normal start-up's. Then class,
-subclass, figures and action are checked.
+"Engine core initialization failed"; a serving engine's death in a model step as EngineCore's
+fatal error and the API server's EngineDeadError; a request's validation error as the API
+server's ERROR traceback and a 400; a WARNING or INFO line as that line among a normal
+start-up's. Then class, subclass, figures and action are checked.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _frames(row: dict[str, Any]) -> list[str]:
 
 def _exception_line(row: dict[str, Any]) -> str:
     name = row["exception"]
-    if name not in ("ValueError", "RuntimeError", "AssertionError"):
+    if name not in ("ValueError", "RuntimeError", "AssertionError") and "." not in name:
         name = f"vllm.exceptions.{name}"
     return f"{name}: {row['sample']}" if row["sample"] else name
 
@@ -74,6 +75,26 @@ def _startup_failure(row: dict[str, Any]) -> list[str]:
         f"{_API}    raise RuntimeError(",
         f"{_API}RuntimeError: Engine core initialization failed. See root cause above. "
         "Failed core proc(s): {}",
+    ]
+
+
+def _runtime_failure(row: dict[str, Any]) -> list[str]:
+    """The serving engine dies in a model step: EngineCore's fatal error, the API server's
+    EngineDeadError."""
+    head = f"(EngineCore_DP0 pid=4242) ERROR {_TS} [core.py:1129] "
+    frames = [
+        "Traceback (most recent call last):",
+        f'  File "{_SITE}/vllm/v1/engine/core.py", line 1125, in run_busy_loop',
+        "    self._process_engine_step()",
+        f'  File "{_SITE}/{row["file"]}", line {row["statement_line"]}, in {row["function"]}',
+        f"    {row['statement_source']}",
+    ]
+    return [
+        head + "EngineCore encountered a fatal error.",
+        *(head + line for line in [*frames, _exception_line(row)]),
+        f"{_API}ERROR {_TS} [async_llm.py:480] AsyncLLM output_handler failed.",
+        f"{_API}ERROR {_TS} [async_llm.py:480] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.",
     ]
 
 
@@ -105,6 +126,8 @@ def render(row: dict[str, Any]) -> list[str]:
         return _logged(row)
     if row["context"] == "request":
         return _request_rejected(row)
+    if row["context"] == "runtime":
+        return _runtime_failure(row)
     return _startup_failure(row)
 
 
@@ -129,7 +152,7 @@ def test_template(row: dict[str, Any]) -> None:
     d = classify(lines, exit_code=exit_code)
     cls = FailureClass(row["class"])
     assert d.cls is cls, (row["file"], row["line"], d)
-    if cls is FailureClass.CUDA_OOM_LOAD:  # the allocator's message gives more figures
+    if cls in (FailureClass.CUDA_OOM_LOAD, FailureClass.CUDA_OOM_RUNTIME):  # and more figures
         assert all(d.numbers.get(k) == pytest.approx(v) for k, v in row["numbers"].items())
     else:
         assert d.numbers == pytest.approx(row["numbers"]), d.numbers
