@@ -81,7 +81,7 @@ def batch_config(cfg: Config, output: Path) -> Config:
     state = state_dir(output)
     watch = WatchConfig(input=state / "inbox", output=output, done=state / "done",
                         failed=state / "failed", recursive=True, mode="poll",
-                        settle_seconds=0.0, duplicates="process")
+                        settle_seconds=0.0, duplicates="process", create_input=True)
     return dataclasses.replace(
         cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=state), watch=(watch,),
         engine=dataclasses.replace(cfg.engine, exit_on_fatal=True),

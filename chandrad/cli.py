@@ -257,7 +257,7 @@ def _check_config(args: argparse.Namespace) -> int:
     engine = cfg.engine
     say = (lambda *_: None) if args.json else print
     say(f"config {path}: syntax, keys, types and ranges OK")
-    unit_problems = _unit_problems(cfg, args.unit, path, say)
+    unit_problems = _unit_problems(cfg, args.unit, path, say) + _folder_problems(cfg)
     if not engine.supervised:
         problems = unit_problems + _url_problems(engine.url)
         say(f"engine: remote at {engine.base_url} (engine.url); chandrad supervises no "
@@ -323,6 +323,14 @@ def _check_config(args: argparse.Namespace) -> int:
                 "previewed": preview, "chandra_gpu": launch.chandra_gpu(gib or 0.0)},
         }
     return _finish(problems, path, started, report=report, warnings=warnings)
+
+
+def _folder_problems(cfg: config.Config) -> list[errors.ConfigProblem]:
+    """What ``run`` would refuse in the watched folders (a missing input, a read-only
+    folder), judged without creating anything."""
+    wiring = importlib.import_module("chandrad.daemon.wiring")
+    problems: list[errors.ConfigProblem] = wiring.watch_folder_problems(cfg, create=False)
+    return problems
 
 
 def _unit_problems(cfg: config.Config, unit: Path | None, path: Path,

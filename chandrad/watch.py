@@ -55,6 +55,7 @@ from watchdog.observers.polling import PollingObserverVFS
 
 from chandrad import names
 from chandrad.config import WatchConfig
+from chandrad.errors import ConfigProblem
 from chandrad.tasks import working_on
 
 log = structlog.get_logger(__name__)
@@ -199,6 +200,82 @@ def _unescape_mount(text: str) -> str:
 def is_network_fstype(fstype: str) -> bool:
     """Whether inotify cannot be trusted on this filesystem type."""
     return fstype in NETWORK_FSTYPES or fstype.startswith("fuse.")
+
+
+#: The folders of a watch, in the order their problems are reported.
+WATCH_FOLDERS = ("input", "output", "done", "failed")
+_WHY_WRITABLE = {"input": "each input is moved out of it", "output": "outputs are written to it",
+                 "done": "finished inputs are moved into it",
+                 "failed": "failed inputs and their .error.json go into it"}
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why chandrad cannot create files in the existing ``folder`` (a read-only mount,
+    no write permission), or None when it can."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "it is on a read-only filesystem"
+    except OSError as exc:
+        return f"cannot stat it: {exc.strerror or exc}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"uid {os.geteuid()} may not create files in it"
+    return None
+
+
+def _nearest_existing(folder: Path) -> Path:
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    return folder
+
+
+def folder_problems(watches: Sequence[WatchConfig], *, create: bool) -> list[ConfigProblem]:
+    """Check every watched folder before the daemon uses it; with ``create``, create
+    what may be created. Each problem names its key (``watch[i].output``; file and line
+    are the caller's to add).
+
+    * ``input`` must exist, unless ``create_input`` says to create it: a misspelled input
+      would otherwise be created empty and watched forever;
+    * ``output``, ``done`` and ``failed`` are created when missing;
+    * every folder must be a directory chandrad can create files in (a read-only mount
+      is refused whether the folder existed or not: every job would be held).
+
+    Without ``create`` (``chandrad check-config``) nothing is created: a folder that
+    would be is judged by its nearest existing parent.
+    """
+    problems: list[ConfigProblem] = []
+    for i, w in enumerate(watches):
+        for name in WATCH_FOLDERS:
+            folder: Path = getattr(w, name)
+            key = f"watch[{i}].{name}"
+            why = _folder_problem(folder, name, create=create,
+                                  may_create=name != "input" or w.create_input)
+            if why is not None:
+                problems.append(ConfigProblem(key, why, code="config_watch_folder"))
+    return problems
+
+
+def _folder_problem(folder: Path, name: str, *, create: bool, may_create: bool) -> str | None:
+    shown = names.display(folder)
+    if not folder.exists():
+        if not may_create:
+            return (f"{shown} does not exist (a typo?); create it, or set "
+                    "create_input = true in this [[watch]] to have chandrad create it")
+        if create:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                why = unwritable(_nearest_existing(folder.parent)) or exc.strerror or str(exc)
+                return f"cannot create {shown}: {why}"
+        else:
+            parent = _nearest_existing(folder.parent)
+            reason = unwritable(parent) if parent.is_dir() else "it is not a directory"
+            return None if reason is None else (
+                f"{shown} does not exist and cannot be created in {names.display(parent)}: "
+                f"{reason}")
+    if not folder.is_dir():
+        return f"{shown} is not a directory"
+    reason = unwritable(folder)
+    return None if reason is None else f"{shown}: {reason}, and {_WHY_WRITABLE[name]}"
 
 
 def sniff_complete(path: Path, size: int) -> bool:

@@ -124,6 +124,7 @@ state_dir = "{out / '.chandrad'}"
 log_format = "json"
 [[watch]]
 input = "{tmp_path / 'inbox'}"
+create_input = true
 [engine]
 url = "http://127.0.0.1:{free_port()}"
 [control]

@@ -30,6 +30,7 @@ def _chandrad(*args: str, env: dict[str, str] | None = None,
 
 def _config(tmp_path: Path, engine: str = "", extra: str = "") -> Path:
     path = tmp_path / "chandrad.toml"
+    (tmp_path / "in").mkdir(exist_ok=True)
     path.write_text(
         f'[daemon]\nstate_dir = "{tmp_path}/state"\n'
         f'[[watch]]\ninput = "{tmp_path}/in"\n'

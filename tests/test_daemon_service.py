@@ -35,6 +35,7 @@ log_format = "auto"
 
 [[watch]]
 input = "{root / 'inbox'}"
+create_input = true
 output = "{root / 'output'}"
 done = "{root / 'done'}"
 failed = "{root / 'failed'}"

@@ -57,6 +57,7 @@ def _config(tmp_path: Path, hub: HubServer, offline: bool = False) -> Path:
 state_dir = "{tmp_path}/state"
 [[watch]]
 input = "{tmp_path}/in"
+create_input = true
 [engine]
 model = "{MODEL}"
 offline = {"true" if offline else "false"}

@@ -48,6 +48,7 @@ log_format = "json"
 
 [[watch]]
 input = "{self.inbox}"
+create_input = true
 output = "{root / 'output'}"
 done = "{root / 'done'}"
 failed = "{self.failed}"

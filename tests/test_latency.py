@@ -76,6 +76,7 @@ state_dir = "{tmp_path / 'state'}"
 
 [[watch]]
 input = "{inbox}"
+create_input = true
 output = "{tmp_path / 'out'}"
 done = "{done}"
 failed = "{tmp_path / 'failed'}"

@@ -138,6 +138,7 @@ def test_sizing_uses_the_selected_gpus_in_one_place() -> None:
 
 def _check_config(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "chandrad.toml"
+    (tmp_path / "in").mkdir(exist_ok=True)
     path.write_text(f'[daemon]\nstate_dir = "{tmp_path}/state"\n'
                     f'[[watch]]\ninput = "{tmp_path}/in"\n', encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "CHANDRAD_CONFIG"}

@@ -45,6 +45,7 @@ log_format = "json"
 
 [[watch]]
 input = "{tmp_path / 'inbox'}"
+create_input = true
 settle_seconds = 0.5
 poll_interval = 0.2
 

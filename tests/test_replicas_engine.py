@@ -94,6 +94,7 @@ log_format = "json"
 
 [[watch]]
 input = "{root / 'inbox'}"
+create_input = true
 output = "{root / 'output'}"
 done = "{root / 'done'}"
 failed = "{root / 'failed'}"

@@ -84,6 +84,7 @@ log_format = "json"
 
 [[watch]]
 input = "{root / 'inbox'}"
+create_input = true
 settle_seconds = 0.5
 poll_interval = 0.2
 

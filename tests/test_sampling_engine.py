@@ -58,6 +58,7 @@ log_format = "json"
 
 [[watch]]
 input = "{inbox}"
+create_input = true
 settle_seconds = 0.5
 poll_interval = 0.2
 

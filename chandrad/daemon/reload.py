@@ -18,7 +18,7 @@ import structlog
 
 from chandrad.config import Config, engine_settings_changed, load_config
 from chandrad.daemon.queue import Command
-from chandrad.daemon.wiring import plan_engines
+from chandrad.daemon.wiring import plan_engines, watch_folder_problems
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import ConfigError, ConfigProblem, ControlError
 from chandrad.events import Event
@@ -177,6 +177,8 @@ class Reloader:
         except ConfigError as exc:
             problems = list(exc.problems)
             specs = []
+        if new.watch != daemon.config.watch:  # a missing input, a read-only folder: refused
+            problems += await asyncio.to_thread(watch_folder_problems, new, create=True)
         if not problems and engine_settings_changed(daemon.config, new) and new.engine.supervised:
             self.phase = "checking the new engine flags with vLLM's parser"
             daemon.notify_status()
