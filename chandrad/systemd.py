@@ -195,8 +195,9 @@ class WatchdogPinger:
 
 # ---------------------------------------------------------------- the installed unit
 
-#: Where ``check-config --unit`` looks for the installed unit (install.sh writes the first).
+#: Where ``check-config`` looks for the installed unit (scripts/install.sh writes the second).
 UNIT_PATHS = (Path("/etc/systemd/system/chandrad.service"),
+              Path("/usr/local/lib/systemd/system/chandrad.service"),
               Path("/usr/lib/systemd/system/chandrad.service"),
               Path("/lib/systemd/system/chandrad.service"))
 

@@ -123,7 +123,7 @@ else
     done_step "installed"
 fi
 
-step "Debian tools: systemd-analyze, journalctl, systemd-journal-remote, prometheus, tmux"
+step "Debian tools: systemd-analyze, journalctl, systemd-journal-remote, prometheus, tmux, debootstrap, systemd-nspawn"
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v journalctl >/dev/null 2>&1 || missing+=(systemd)
@@ -134,6 +134,9 @@ command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
     || missing+=(prometheus)
 # tmux: `chandractl top` is tested in a real terminal.
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+# debootstrap + systemd-nspawn: tests/test_systemd_boot.py boots Debian 12 with systemd.
+command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+command -v systemd-nspawn >/dev/null 2>&1 || missing+=(systemd-container)
 if ((${#missing[@]} == 0)); then
     done_step "present"
 elif [[ $EUID -ne 0 ]]; then

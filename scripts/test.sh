@@ -41,12 +41,12 @@ pytest_suite() {
 run "ruff" "$VENV/bin/ruff" check .
 run "mypy" "$VENV/bin/mypy"
 if [[ -f systemd/chandrad.service ]]; then
-    # The units name the installed /usr/local/bin/chandrad, which verify insists exists:
+    # The units name the installed /usr/local/bin/chandrad and chandractl, which verify insists exist:
     # check copies that point at this checkout's venv instead.
     units="$(mktemp -d)"
     trap 'rm -rf "$units"' EXIT
     for unit in systemd/*.service; do
-        sed "s|/usr/local/bin/chandrad|$VENV/bin/chandrad|g" "$unit" >"$units/${unit##*/}"
+        sed -E "s#/usr/local/bin/(chandrad|chandractl)\b#$VENV/bin/\1#g" "$unit" >"$units/${unit##*/}"
     done
     run "systemd-analyze verify" systemd-analyze verify --man=no "$units"/*.service
     run "systemd-analyze security" \

@@ -220,7 +220,9 @@ def _runnable_unit(tmp_path: Path) -> Path:
     text = (UNIT_DIR / "chandrad.service").read_text()
     assert "ExecStart=/usr/local/bin/chandrad run " in text
     unit = tmp_path / "chandrad.service"
-    unit.write_text(text.replace("/usr/local/bin/chandrad", str(exe)))
+    ctl = exe.parent / "chandractl" if exe.name == "chandrad" else exe
+    unit.write_text(text.replace("/usr/local/bin/chandractl", str(ctl))
+                    .replace("/usr/local/bin/chandrad", str(exe)))
     return unit
 
 
@@ -256,7 +258,7 @@ def test_service_unit_has_the_contract_settings() -> None:
         "KillMode": "mixed",
         "OOMPolicy": "continue",
         "RestartPreventExitStatus": "78",
-        "ExecReload": "/bin/kill -HUP $MAINPID",
+        "ExecReload": "/usr/local/bin/chandractl reload",
         "RuntimeDirectory": "chandrad",
         "StateDirectory": "chandrad",
         "User": "chandrad",

@@ -68,12 +68,16 @@ def test_check_config_names_what_the_unit_refuses(tmp_path: Path) -> None:
     me = pwd.getpwuid(os.getuid()).pw_name
     foreign = next(g.gr_name for g in grp.getgrall()
                    if g.gr_gid not in os.getgrouplist(me, os.getgid()))
+    srv = tmp_path / "srv"  # the unit's /srv/chandrad, here
+    (srv / "inbox").mkdir(parents=True)
     unit = tmp_path / "chandrad.service"
     unit.write_text(UNIT.read_text().replace("User=chandrad", f"User={me}")
-                    .replace("Group=chandrad", "Group=" + grp.getgrgid(os.getgid()).gr_name))
+                    .replace("Group=chandrad", "Group=" + grp.getgrgid(os.getgid()).gr_name)
+                    .replace("/srv/chandrad", str(srv)))
     config = tmp_path / "chandrad.toml"
     config.write_text(EXAMPLE.read_text()
                       .replace("/srv/chandrad/output", str(tmp_path / "output"))
+                      .replace("/srv/chandrad", str(srv))
                       .replace('group = ""', f'group = "{foreign}"')
                       .replace('url = ""', 'url = "http://127.0.0.1:9"'))
     got = check_config(config, unit)
@@ -81,7 +85,7 @@ def test_check_config_names_what_the_unit_refuses(tmp_path: Path) -> None:
     assert "watch[0].output" in got.stderr and "ReadWritePaths=" in got.stderr
     assert "control.group" in got.stderr and "not a member" in got.stderr
     config.write_text(config.read_text().replace(f'group = "{foreign}"', 'group = ""')
-                      .replace(str(tmp_path / "output"), "/srv/chandrad/output"))
+                      .replace(str(tmp_path / "output"), str(srv / "output")))
     ok = check_config(config, unit)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "every folder is writable in its sandbox" in ok.stdout
