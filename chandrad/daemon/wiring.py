@@ -82,8 +82,10 @@ def open_store(cfg: Config) -> Store:
     (exit 78, the file and the way out named); the check's cost is logged."""
     try:
         store = Store.open(cfg.daemon.state_dir)
-        log.info("store_checked", path=str(store.path), seconds=round(store.check_s, 3),
-                 complete=store.check_complete)
+        # A store too large to check within its budget is opened anyway: say so louder.
+        (log.info if store.check_complete else log.warning)(
+            "store_checked", path=str(store.path), seconds=round(store.check_s, 3),
+            complete=store.check_complete)
         return store
     except StateDirInUse as exc:
         message, code = exc.message, exc.code
