@@ -331,7 +331,11 @@ def test_install_and_operate_under_systemd(container: Container, tmp_path: Path)
                                     ).stdout.lower()
         _log(f"watchdog restart after SIGSTOP: {time.monotonic() - t0:.1f} s")
 
-        # stop: success, and systemd had nothing left to kill
+        # stop: success, and systemd had nothing left to kill. One more file first, so that
+        # this daemon has render workers (and had multiprocessing's resource tracker).
+        shutil.copy(CORPUS / DROPS[1], drop / "again.png")
+        box.ok("chmod 0644 /var/tmp/drop/* && mv /var/tmp/drop/* /srv/chandrad/inbox/")
+        wait_for("again.png done", lambda: (srv / "done" / "again.png").exists(), 60)
         cursor = box.ok("journalctl -n0 --show-cursor --no-pager | tail -1").split("cursor: ")[-1]
         box.ok("systemctl stop chandrad", timeout=120)
         props = box.show("Result", "ActiveState")
