@@ -326,7 +326,7 @@ def _lock_database(db_path: Path) -> int:
     the path is checked to still name the locked inode (a database swapped in between).
     SQLite's own locks are POSIX record locks, which Linux keeps apart from flocks.
     """
-    fd = os.open(db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    fd = os.open(db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # as SQLite would
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
