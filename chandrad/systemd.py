@@ -229,7 +229,8 @@ def read_unit(path: Path) -> UnitSandbox:
     list settings accumulate, an empty assignment resets, as systemd reads them)."""
     user = group = ""
     supplementary: list[str] = []
-    writable: list[Path] = []
+    writable: list[Path] = []  # ReadWritePaths=
+    directories: dict[str, list[Path]] = {}  # StateDirectory= and friends
     strict = protect_home = False
     chown_allowed = True
     section = ""
@@ -257,7 +258,8 @@ def read_unit(path: Path) -> UnitSandbox:
         elif key == "ReadWritePaths":
             writable = writable + [Path(w.lstrip("-+")) for w in words] if words else []
         elif key in _DIRECTORY_ROOTS:
-            writable += [_DIRECTORY_ROOTS[key] / w.split(":")[0] for w in words]
+            directories[key] = directories.get(key, []) + [
+                _DIRECTORY_ROOTS[key] / w.split(":")[0] for w in words] if words else []
         elif key == "SystemCallFilter":
             deny = value.startswith("~")
             names = set(value.lstrip("~").split())
@@ -266,7 +268,7 @@ def read_unit(path: Path) -> UnitSandbox:
             elif not deny and names & {"@chown", "@system-service"}:
                 chown_allowed = True
     return UnitSandbox(path, user, group, tuple(supplementary), strict, protect_home,
-                       tuple(writable), chown_allowed)
+                       tuple(writable + sum(directories.values(), [])), chown_allowed)
 
 
 def _within(path: Path, roots: tuple[Path, ...]) -> bool:

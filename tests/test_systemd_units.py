@@ -151,3 +151,20 @@ def test_closed_render_pool_leaves_no_resource_tracker() -> None:
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == "[]", got.stdout
     assert "leaked" not in got.stderr, got.stderr
+
+
+def test_unit_reader_follows_systemd_list_semantics(tmp_path: Path) -> None:
+    """Filter lines apply in order (a deny of @privileged takes chown away, a later
+    @chown gives it back); an empty ReadWritePaths= resets the list; ProtectHome= hides
+    /home from a watch there."""
+    unit = tmp_path / "u.service"
+    base = UNIT.read_text()
+    unit.write_text(base.replace("SystemCallFilter=@chown\n", ""))
+    assert not read_unit(unit).chown_allowed
+    unit.write_text(base + "\n[Service]\nReadWritePaths=\nReadWritePaths=/data\n")
+    sandbox = read_unit(unit)
+    assert Path("/srv/chandrad") not in sandbox.writable
+    assert Path("/data") in sandbox.writable and Path("/var/lib/chandrad") in sandbox.writable
+    cfg = load_config(EXAMPLE)
+    keys = {p.key for p in unit_problems(cfg, sandbox)}
+    assert keys == {f"watch[0].{name}" for name in ("input", "output", "done", "failed")}
