@@ -19,6 +19,7 @@ import structlog
 
 from chandrad.config import Config
 from chandrad.daemon.wiring import engine_name
+from chandrad.errors import StoreFull
 from chandrad.events import Event
 from chandrad.states import DaemonCommand, DaemonState, EngineState
 
@@ -95,8 +96,13 @@ async def shutdown(daemon: Daemon) -> None:
             async with asyncio.timeout(5):
                 await daemon.tasks.stop()
     if daemon.store is not None:
-        # Pages cut off by the stop go back to the queue for the next start.
-        daemon.store.release_all_in_flight()
+        # Pages cut off by the stop go back to the queue for the next start (which
+        # releases them itself when a full store refuses it now).
+        try:
+            daemon.store.release_all_in_flight()
+        except StoreFull as exc:
+            log.warning("store_full_at_stop", error=exc.message,
+                        reason="pages in flight are released at the next start")
         daemon.store.close()
     if daemon.render is not None:
         daemon.render.close()

@@ -43,7 +43,13 @@ from chandrad.engine.process import EngineProcess, process_name
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile
 from chandrad.engine.progress import ProgressWatch
 from chandrad.engine.session import TOKEN_ENV, identify, new_token, token_holders
-from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, InternalError
+from chandrad.errors import (
+    ConfigError,
+    ConfigProblem,
+    EngineUnavailable,
+    InternalError,
+    StoreFull,
+)
 from chandrad.events import Event
 from chandrad.interfaces import ChatBody, Observer
 from chandrad.protocol import EngineStatus, FailureStatus
@@ -737,7 +743,10 @@ class EngineSupervisor:
         self.budget.forgive_startup()
         key = self.learned_key()
         if self.profiles is not None and key:
-            self.profiles.save_learned_profile(key, self.profile.to_dict())
+            try:
+                self.profiles.save_learned_profile(key, self.profile.to_dict())
+            except StoreFull as exc:  # the profile is learned again at the next stable
+                self.log.warning("profile_not_saved", error=exc.message, learned_key=key)
         self.log.info(Event.ENGINE_STABLE, stable_seconds=self.engine.stable_seconds,
                       learned_key=key, profile=self.profile.to_dict())
 
