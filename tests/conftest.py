@@ -17,6 +17,7 @@ from pathlib import Path
 import daemon_harness
 import loop_model
 import pytest
+import tiny_chandra2
 from tiny_model import build_tiny_model, cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,13 @@ def _cache_root() -> Path:
 def tiny_model_dir() -> Path:
     """The tiny Idefics3 model directory, built once and reused across sessions."""
     return build_tiny_model(cache_dir(_cache_root()))
+
+
+@pytest.fixture(scope="session")
+def tiny_chandra2_dir() -> Path:
+    """The tiny model of chandra-ocr-2's architecture (tests/tiny_chandra2.py: Qwen3.5,
+    hybrid Gated DeltaNet + full attention), built once and reused across sessions."""
+    return tiny_chandra2.build_tiny_chandra2(tiny_chandra2.cache_dir(_cache_root()))
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ PLANTED_TOKENS tokens long, so `max_tokens` < PLANTED_TOKENS + 1 gives finish_re
 (every valid `ocr.max_output_tokens` from 16 up to PLANTED_TOKENS does).
 A build is keyed by FINGERPRINT (a hash of this file): `cache_dir` names the directory after
 it and the build marker records it, so a change here rebuilds instead of reusing a stale model.
-Run as `python tests/tiny_model.py DEST` to build into DEST.
+Run as `python tests/tiny_model.py DEST` to build into DEST (`--arch chandra2` builds the tiny
+Chandra 2 of tests/tiny_chandra2.py instead).
 """
 
 # transformers' constructors are untyped; everything else here is checked.
@@ -99,7 +100,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _training_text() -> list[str]:
+def training_text() -> list[str]:
     """Return text that gives the tokenizer compact pieces for Chandra's prompts and HTML."""
     lines = [
         "The quick brown fox jumps over the lazy dog. 0123456789",
@@ -130,7 +131,7 @@ def _build_tokenizer() -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.train_from_iterator(training_text(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -146,13 +147,19 @@ def _build_tokenizer() -> Any:
 
 def _plant_answer(model: Any, tokenizer: Any) -> None:
     """Make the text model a bigram chain: generation prompt -> PLANTED_ANSWER -> EOS."""
-    import torch
-
     start = tokenizer.encode("Assistant:", add_special_tokens=False)[-1]
     chain = [start, *tokenizer.convert_tokens_to_ids(list(PLANTED_ANSWER))]
     chain.append(tokenizer.convert_tokens_to_ids(EOS))
-    if len(set(chain)) != len(chain) or len(chain) > TEXT_HIDDEN:
-        raise ValueError("PLANTED_ANSWER needs unique pieces, at most TEXT_HIDDEN - 2 of them")
+    plant_chain(model, chain, TEXT_HIDDEN)
+
+
+def plant_chain(model: Any, chain: list[int], hidden: int) -> None:
+    """Point each token of `chain` at the next through embedding and lm_head (dimension k
+    of the `hidden`-wide residual stream carries link k), so greedy decoding follows it."""
+    import torch
+
+    if len(set(chain)) != len(chain) or len(chain) > hidden:
+        raise ValueError("PLANTED_ANSWER needs unique pieces, at most hidden - 2 of them")
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     with torch.no_grad():
@@ -292,11 +299,21 @@ def build_tiny_model(dest: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    """Command-line entry: build into the one DEST argument and print its path."""
-    if len(argv) != 1:
-        print("usage: python tests/tiny_model.py DEST", file=sys.stderr)
+    """Command-line entry: build the model of ``--arch`` (idefics3, the default, or chandra2:
+    tests/tiny_chandra2.py) into the one DEST argument and print its path."""
+    arch = "idefics3"
+    if len(argv) == 3 and argv[0] == "--arch":
+        arch, argv = argv[1], argv[2:]
+    if len(argv) != 1 or arch not in ("idefics3", "chandra2"):
+        print("usage: python tests/tiny_model.py [--arch idefics3|chandra2] DEST",
+              file=sys.stderr)
         return 2
-    print(build_tiny_model(Path(argv[0])))
+    if arch == "chandra2":
+        from tiny_chandra2 import build_tiny_chandra2
+
+        print(build_tiny_chandra2(Path(argv[0])))
+    else:
+        print(build_tiny_model(Path(argv[0])))
     return 0
 
 
