@@ -10,12 +10,14 @@ Who owns an output directory: ``write_document`` first writes a small claim file
 metadata) and the files written. Writing the same source again (the daemon was killed
 after writing but before moving the input) replaces the same files and removes files
 of the earlier write that are no longer produced; it never makes a second directory.
-A *different* source (other sha256) whose output would land on an occupied directory,
-or a directory chandrad did not create, gets the next free ``<stem> (1)``,
-``<stem> (2)``, ... directory instead.
+A *different* source (another input path, or other content) whose output would land on
+an occupied directory, or a directory chandrad did not create, gets the next free
+``<stem> (1)``, ``<stem> (2)``, ... directory instead.
 
-Name clashes in ``done/``/``failed/`` use the same style: ``report.pdf`` becomes
-``report (1).pdf``, ``report (2).pdf``, ...
+One name per document (:func:`document_slot`): a finished document's output directory
+and its input in ``done/`` carry the same suffix, the smallest free in both, so
+``output/report (2)/`` always goes with ``done/report (2).pdf``. Name clashes in
+``failed/`` use the same style on their own: ``report.pdf`` becomes ``report (1).pdf``, ...
 
 Names (``chandrad.names``): an input keeps its exact bytes name in ``done/`` and
 ``failed/``; everything chandrad creates from a name (output directories and files,
@@ -146,10 +148,12 @@ def _identity(metadata: dict[str, Any]) -> tuple[str, str]:
 
 
 def _claims_same_source(claim: dict[str, Any], metadata: dict[str, Any]) -> bool:
+    """The same document: the same input path and, when known, the same content (identical
+    bytes under two names are two documents, each with its own name)."""
     source, sha = _identity(metadata)
-    if sha:
-        return bool(claim.get("source_sha256") == sha)
-    return bool(claim.get("source") == source)
+    if claim.get("source") != source:
+        return False
+    return not sha or bool(claim.get("source_sha256") == sha)
 
 
 def _only_dead_attempt(directory: Path) -> bool:
@@ -163,6 +167,74 @@ def _only_dead_attempt(directory: Path) -> bool:
         with contextlib.suppress(FileNotFoundError):
             entry.unlink()
     return True
+
+
+def _numbered_dir(out_dir: Path, n: int) -> Path:
+    return out_dir if n == 0 else out_dir.with_name(f"{out_dir.name} ({n})")
+
+
+def numbered_file(path: Path, n: int) -> Path:
+    """``path`` with the `` (n)`` suffix (itself for 0)."""
+    return path if n == 0 else _suffixed(path, n)
+
+
+def _dir_available(candidate: Path, metadata: dict[str, Any]) -> bool:
+    """Free, a dead attempt of ours, or already this document's."""
+    if not candidate.exists():
+        return True
+    if candidate.is_dir() and _only_dead_attempt(candidate):
+        return True
+    claim = _read_claim(candidate)
+    return claim is not None and _claims_same_source(claim, metadata)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class DocumentSlot:
+    """Where one finished document goes: its output directory and its input's place in
+    ``done/``, both with the same `` (n)`` suffix (none when ``n`` is 0)."""
+
+    suffix: int
+    output_dir: Path
+    done_path: Path
+
+
+def document_slot(output_root: Path, done_root: Path, input_root: Path, input_path: Path,
+                  metadata: dict[str, Any], placed: Path | None = None) -> DocumentSlot:
+    """The one name of a document across ``output/`` and ``done/``.
+
+    ``<stem> (n)/`` in the output folder and ``<stem> (n)<ext>`` in ``done/`` for the
+    smallest ``n`` (0: no suffix) where both are free: the directory is free, a dead
+    attempt, or already this document's (same input path and sha256: a rewrite after a
+    crash); the done name is free, or is already the input (a move cut short). So
+    ``report.pdf`` then ``report.png`` are ``report/`` + ``report.pdf`` and
+    ``report (1)/`` + ``report (1).png``, and a second ``report.pdf`` is
+    ``report (2)/`` + ``report (2).pdf`` if ``report (1)`` is taken in either folder.
+
+    ``placed``: the input is already in ``done/`` there (a move completed before a
+    crash): its suffix decides.
+    """
+    out_dir = output_dir_for(output_root, input_root, input_path)
+    done_path = done_root / input_path.relative_to(input_root)
+    for n in range(_MAX_SUFFIX):
+        done_n = numbered_file(done_path, n)
+        if placed is not None:
+            if done_n == placed:
+                return DocumentSlot(n, _numbered_dir(out_dir, n), done_n)
+            continue
+        free = not os.path.lexists(done_n) or _same_file(done_n, input_path)
+        if free and _dir_available(_numbered_dir(out_dir, n), metadata):
+            return DocumentSlot(n, _numbered_dir(out_dir, n), done_n)
+    if placed is not None:  # not a name chandrad gives: its directory is the plain one
+        return DocumentSlot(0, out_dir, placed)
+    raise OutputError(f"no free name for {names.display(input_path.name)} in "
+                      f"{names.display(out_dir.parent)} and {names.display(done_path.parent)}")
 
 
 def _choose_dir(out_dir: Path, metadata: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
@@ -329,11 +401,12 @@ def _place(src: Path, dst: Path) -> bool:
     return True
 
 
-def move_to(dest_dir: Path, input_root: Path, input_path: Path) -> Path:
+def move_to(dest_dir: Path, input_root: Path, input_path: Path, start: int = 0) -> Path:
     """Move ``input_path`` to ``dest_dir/<relative dir>/<name>``; return where it went.
 
     Never overwrites: on a clash the name gets `` (1)``, `` (2)``, ... before the
-    extension. Works across filesystems (copy, fsync, then unlink the original).
+    extension; ``start`` is the first suffix tried (a :class:`DocumentSlot`'s). Works
+    across filesystems (copy, fsync, then unlink the original).
     If a previous move was interrupted after linking (both names are the same file),
     the move is completed instead of making a second copy.
     """
@@ -345,10 +418,8 @@ def move_to(dest_dir: Path, input_root: Path, input_path: Path) -> Path:
     final_dir = dest_dir / relative.parent
     try:
         final_dir.mkdir(parents=True, exist_ok=True)
-        for n in range(_MAX_SUFFIX):
-            dst = (
-                final_dir / input_path.name if n == 0 else _suffixed(final_dir / input_path.name, n)
-            )
+        for n in range(start, _MAX_SUFFIX):
+            dst = numbered_file(final_dir / input_path.name, n)
             if dst.exists() and os.path.samefile(dst, input_path):
                 input_path.unlink()
                 break

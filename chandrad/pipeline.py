@@ -916,7 +916,6 @@ class Pipeline:
         page_outputs = [_page_output(p) for p in pages]
         failed = sum(1 for p in pages if p.state is PageState.FAILED)
         truncated = sum(1 for p in page_outputs if p.truncated)
-        out_dir = outputs.output_dir_for(watch.output, job.input_root, job.abs_path)
         stem = outputs.output_stem(job.abs_path)
         metadata = {
             "source": names.display(job.path),
@@ -930,10 +929,16 @@ class Pipeline:
             "accepted_at": job.created_at,
             "finished_at": time.time(),
         }
-        written = await asyncio.to_thread(outputs.write_document, out_dir, stem, page_outputs,
-                                          metadata, self.config.ocr.formats)
-        out_dir = written[-1].parent  # ``<stem> (n)`` when another source owns ``<stem>``
-        final = moved or self._move_input(job, watch.done)
+        # One name for the document in output/ and done/ (the same `` (n)``).
+        slot = await asyncio.to_thread(outputs.document_slot, watch.output, watch.done,
+                                       job.input_root, job.abs_path, metadata, moved)
+        written = await asyncio.to_thread(outputs.write_document, slot.output_dir, stem,
+                                          page_outputs, metadata, self.config.ocr.formats)
+        out_dir = written[-1].parent  # another ``(n)`` only if taken since the slot was chosen
+        final = moved or self._move_input(job, watch.done, start=slot.suffix)
+        if out_dir != slot.output_dir or final != slot.done_path:
+            log.warning("document_names_differ", job=job.id, output=names.display(out_dir),
+                        final=names.display(final))
         state = JobState.PARTIAL if failed else JobState.DONE
         self.store.set_job_state(job.id, state, output_dir=out_dir, final_path=final)
         log.info(Event.JOB_DONE, job=job.id, file=names.display(job.path), pages=len(pages),
@@ -941,15 +946,15 @@ class Pipeline:
                  state=state.value, output=names.display(out_dir))
 
     def _move_input(self, job: Job, folder: Path, error_code: str | None = None,
-                    error_message: str | None = None) -> Path:
+                    error_message: str | None = None, start: int = 0) -> Path:
         """Record where the input is going (with the error it fails for, if any), then
-        move it there."""
+        move it there (``start``: the first `` (n)`` suffix to try)."""
         current = self.store.get(job.id)
         state = current.state if current else JobState.RUNNING
-        intended = folder / job.abs_path.relative_to(job.input_root)
+        intended = outputs.numbered_file(folder / job.abs_path.relative_to(job.input_root), start)
         self.store.set_job_state(job.id, state, final_path=intended, error_code=error_code,
                                  error_message=error_message)
-        return outputs.move_to(folder, job.input_root, job.abs_path)
+        return outputs.move_to(folder, job.input_root, job.abs_path, start)
 
     async def _fail_job(self, job: Job, watch: WatchConfig, code: str, message: str) -> None:
         final: Path | None = None

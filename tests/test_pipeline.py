@@ -621,7 +621,8 @@ def test_crash_after_moving_input_to_done_completes_at_restart(
             done = await run.wait_finished(job.id)
             assert done.state is JobState.DONE, (done.error_code, done.error_message)
             assert done.final_path == moved
-            assert "Stand-in page." in (w.output / "doc" / "doc.md").read_text()
+            # one name per document: done/doc (1).png goes with output/doc (1)/
+            assert "Stand-in page." in (w.output / "doc (1)" / "doc.md").read_text()
             assert standin.requests() == []
 
     run_async(body)
