@@ -22,6 +22,7 @@ from chandrad.outputs import (
     CLAIM_FILE,
     PageOutput,
     atomic_write,
+    document_slot,
     move_to,
     output_dir_for,
     write_document,
@@ -324,3 +325,48 @@ def test_error_json_beside_failed_input(tmp_path: Path) -> None:
         "attempts": 1,
         "timestamps": {"accepted": "2026-01-01T00:00:00Z"},
     }
+
+
+def _finish(tmp_path: Path, name: str, data: bytes) -> tuple[str, str]:
+    """Drop ``name`` with ``data`` in ``in/``, write its outputs and move it as the
+    pipeline does; (output folder name, done name)."""
+    inbox, out, done = tmp_path / "in", tmp_path / "out", tmp_path / "done"
+    inbox.mkdir(exist_ok=True)
+    path = inbox / name
+    path.write_bytes(data)
+    meta = {"source": name, "source_sha256": hashlib.sha256(data).hexdigest()}
+    slot = document_slot(out, done, inbox, path, meta)
+    written = write_document(slot.output_dir, Path(name).stem,
+                             [PageOutput(1, "ok", 1, None, 10, 10, markdown="x")], meta, ("md",))
+    final = move_to(done, inbox, path, slot.suffix)
+    assert (written[0].parent, final) == (slot.output_dir, slot.done_path)
+    return slot.output_dir.name, final.name
+
+
+def test_document_slot_gives_one_name_in_output_and_done(tmp_path: Path) -> None:
+    """The smallest `` (n)`` free in both folders: a new stem with another extension, the
+    same name with other bytes, and identical bytes under two names each get their own."""
+    assert _finish(tmp_path, "report.pdf", b"a") == ("report", "report.pdf")
+    assert _finish(tmp_path, "report.png", b"b") == ("report (1)", "report (1).png")
+    assert _finish(tmp_path, "report.pdf", b"c") == ("report (2)", "report (2).pdf")
+    assert _finish(tmp_path, "memo.jpg", b"m") == ("memo", "memo.jpg")
+    assert _finish(tmp_path, "memo.jpeg", b"m") == ("memo (1)", "memo (1).jpeg")
+
+
+def test_document_slot_after_a_crash_keeps_the_name_it_had(tmp_path: Path) -> None:
+    """Outputs written but the input not yet moved: the same folder and done name again;
+    the input already moved (``placed``): the folder that goes with its done name."""
+    inbox, out, done = tmp_path / "in", tmp_path / "out", tmp_path / "done"
+    (out / "doc").mkdir(parents=True)
+    (out / "doc" / "notes.txt").write_text("not chandrad's")
+    inbox.mkdir()
+    path = inbox / "doc.pdf"
+    path.write_bytes(b"pdf")
+    meta = {"source": "doc.pdf", "source_sha256": hashlib.sha256(b"pdf").hexdigest()}
+    slot = document_slot(out, done, inbox, path, meta)
+    assert (slot.suffix, slot.output_dir.name, slot.done_path.name) == (1, "doc (1)", "doc (1).pdf")
+    write_document(slot.output_dir, "doc", [PageOutput(1, "ok", 1, None, 1, 1)], meta, ("md",))
+    assert document_slot(out, done, inbox, path, meta) == slot  # killed before the move
+    moved = move_to(done, inbox, path, slot.suffix)
+    placed = document_slot(out, done, inbox, path, meta, placed=moved)
+    assert placed == slot

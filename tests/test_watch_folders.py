@@ -93,3 +93,23 @@ def test_new_output_folder_under_a_read_only_mount_is_refused(
         f'output = "{d.output}"', f'output = "{d.output / "new"}"'))
     with read_only_mount(d.output):
         _both_refuse(d, "watch[0].output", "read-only filesystem")
+
+
+def test_reload_naming_a_missing_input_is_refused(tmp_path: Path) -> None:
+    """A reload whose [[watch]] names a missing input is refused like a bad config: the
+    old watch keeps running, and the typo is not created."""
+    d = _daemon(tmp_path)
+    d.start()
+    try:
+        d.wait_answering(60)
+        typo = tmp_path / "inbx"
+        d.config.write_text(d.config_text().replace(str(d.inbox), str(typo)))
+        result = d.ctl("reload", "--wait", check=False)
+        assert result.returncode == 1, result.stdout
+        assert "watch[0].input" in result.stdout + result.stderr
+        assert not typo.exists()
+        status = d.status()
+        assert status is not None and status["daemon"]["state"] == "running", status
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
