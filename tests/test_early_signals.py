@@ -154,8 +154,10 @@ def test_sighup_in_the_first_200ms_never_kills_the_daemon(tmp_path: Path, ms: in
     try:
         proc = _start(d)
         if _signal_after(proc, signal.SIGHUP, ms) == "default":
-            proc.wait(30)
-            return
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)  # the holder may have come between the look and the kill
+            if proc.poll() is not None:
+                return
         d.wait_answering(60)
         status = d.status()
         assert status is not None and status["daemon"]["state"] == "running", status
@@ -175,7 +177,8 @@ def test_sighup_blocked_across_exec_is_delivered_not_lost(tmp_path: Path) -> Non
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
 
         proc = _start(d, block_hup)
-        assert _signal_after(proc, signal.SIGHUP, 0) == "blocked"
+        # "caught" only if this test was held up longer than the interpreter's start
+        assert _signal_after(proc, signal.SIGHUP, 0) in ("blocked", "caught")
         d.wait_answering(60)
         d.wait_for("the early SIGHUP handled",
                    lambda: _events(d, "signal_before_start") or _events(d, "config_reloaded"),
