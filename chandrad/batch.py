@@ -34,7 +34,7 @@ import structlog
 
 from chandrad import names, outputs
 from chandrad.config import Config, MetricsConfig, WatchConfig
-from chandrad.errors import InputError
+from chandrad.errors import BatchInputError, InputError
 from chandrad.protocol import EngineStatus
 from chandrad.render import RenderPool
 from chandrad.states import JOB_FINISHED, JobState
@@ -63,10 +63,6 @@ class Feed(Protocol):
                mtime: float) -> None: ...
 
     def idle(self) -> bool: ...
-
-
-class BatchInputError(ValueError):
-    """A command-line input that cannot be part of a batch (missing, inside the output)."""
 
 
 def state_dir(output: Path) -> Path:

@@ -193,7 +193,7 @@ def run_batch(cfg: Config, inputs: Sequence[Path], output: Path, out: TextIO,
               tty: bool | None = None) -> BatchOutcome:
     """Plan, run the daemon in batch mode until done (or Ctrl-C), summarize.
 
-    Raises ``batch.BatchInputError`` for inputs that cannot be used (cli: exit 2) and
+    Raises ``errors.BatchInputError`` for inputs that cannot be used (cli: exit 2) and
     ``ConfigError`` for a bad config or an output whose state dir another chandrad holds
     (exit 78).
     """

@@ -221,11 +221,10 @@ def _batch(args: argparse.Namespace) -> int:
         path = config.default_config_path()
     cfg = (config.load_config(path) if path is not None
            else config.parse_config("", Path.cwd() / "(defaults)"))
-    batch = importlib.import_module("chandrad.batch")
     view = importlib.import_module("chandrad.batch_view")
     try:
         outcome = view.run_batch(cfg, args.inputs, args.output, sys.stdout)
-    except batch.BatchInputError as exc:
+    except errors.BatchInputError as exc:
         print(f"chandrad batch: {exc}", file=sys.stderr)
         return errors.ExitCode.USAGE
     if outcome.daemon_exit != errors.ExitCode.OK:

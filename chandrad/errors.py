@@ -10,24 +10,28 @@ from __future__ import annotations
 
 import errno
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any, ClassVar
 
 
 class ExitCode(IntEnum):
-    """Exit statuses of ``chandrad`` (SPEC §2)."""
+    """Exit statuses of ``chandrad`` (README.md, Commands) and of its fetch child."""
 
     OK = 0
     BATCH_FAILED = 1  # ``chandrad batch``: some file failed (the summary says which and why)
     USAGE = 2
-    UNAVAILABLE = 69  # engine gave up, only with engine.exit_on_fatal = true
+    # Engine gave up (only with engine.exit_on_fatal = true); ``fetch-model`` and the fetch
+    # child (``python -m chandrad.fetch``): the hub could not serve the model, worth a retry.
+    UNAVAILABLE = 69
     SOFTWARE = 70  # internal error
-    CONFIG = 78  # EX_CONFIG; the unit sets RestartPreventExitStatus=78
+    # EX_CONFIG; the unit sets RestartPreventExitStatus=78. The fetch child: the hub has no
+    # such repository, revision or file, or this host has no access (fatal: fix engine.model).
+    CONFIG = 78
     INTERRUPTED = 130  # ``chandrad batch`` stopped by Ctrl-C (128 + SIGINT); a rerun resumes
 
 
 class CtlExit(IntEnum):
-    """Exit statuses of ``chandractl`` (LSB, SPEC §2)."""
+    """Exit statuses of ``chandractl`` (LSB; README.md, Commands)."""
 
     OK = 0
     ERROR = 1
@@ -217,36 +221,109 @@ class OutputUnwritable(OutputError):
         {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
+class ControlErrorCode(StrEnum):
+    """The ``code`` of an error reply on the control socket (docs/operations.md)."""
+
+    BAD_REQUEST = "bad_request"
+    TOO_LARGE = "too_large"
+    TIMEOUT = "timeout"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_COMMAND = "unknown_command"
+    FORBIDDEN = "forbidden"
+    INVALID_STATE = "invalid_state"
+    NOT_FOUND = "not_found"
+    INTERNAL_ERROR = "internal_error"
+    BUSY = "busy"
+
+
+#: Every control error code as a plain string (what a reply carries).
+CONTROL_ERROR_CODES: frozenset[str] = frozenset(c.value for c in ControlErrorCode)
+
+#: Control error codes that chandractl maps to LSB exit 4 (unknown/forbidden).
+CTL_EXIT4_CODES: frozenset[ControlErrorCode] = frozenset(
+    {ControlErrorCode.FORBIDDEN, ControlErrorCode.UNKNOWN_COMMAND, ControlErrorCode.NOT_FOUND})
+
+
 class ControlError(ChandradError):
-    """An error answered on the control socket; ``code`` travels to the client."""
+    """An error answered on the control socket; ``code`` travels to the client.
+
+    Raises ``ValueError`` for a code that is not a :class:`ControlErrorCode`: a reply never
+    carries a code the client does not know.
+    """
 
     code = "bad_request"
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ControlErrorCode | str, message: str) -> None:
         super().__init__(message)
-        self.error_code = code
+        try:
+            self.error_code = ControlErrorCode(code)
+        except ValueError:
+            raise ValueError(f"unknown control error code {code!r}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.error_code, "message": self.message}
+        return {"code": self.error_code.value, "message": self.message}
 
 
-CONTROL_ERROR_CODES: frozenset[str] = frozenset(
-    {
-        "bad_request",
-        "too_large",
-        "timeout",
-        "unsupported_version",
-        "unknown_command",
-        "forbidden",
-        "invalid_state",
-        "not_found",
-        "internal_error",
-        "busy",
-    }
-)
+class ProtocolError(ControlError):
+    """A control frame that cannot be honoured (chandrad/protocol.py).
 
-#: Control error codes that chandractl maps to LSB exit 4 (unknown/forbidden).
-CTL_EXIT4_CODES: frozenset[str] = frozenset({"forbidden", "unknown_command", "not_found"})
+    ``request_id`` is the id of the offending request when it could be read, so the
+    error reply can still be matched by the client.
+    """
+
+    def __init__(self, code: ControlErrorCode | str, message: str,
+                 request_id: str | int | None = None) -> None:
+        super().__init__(code, message)
+        self.request_id = request_id
+
+
+class ControlSocketError(ChandradError):
+    """The control socket cannot be set up (path, group or permissions).
+
+    Exit 78 like a config error: a restart cannot fix it, the operator must
+    (``control.socket``, ``control.group``, or the daemon already using it).
+    """
+
+    code = "control_socket_error"
+    exit_code = ExitCode.CONFIG
+
+
+class ControlSocketInUse(ControlSocketError):
+    """Another live daemon answers on the socket path: refuse to steal it."""
+
+    code = "control_socket_in_use"
+
+
+class DaemonNotRunning(ChandradError):
+    """``chandractl``: nothing listens on the socket (ENOENT, ECONNREFUSED): LSB exit 3."""
+
+    code = "daemon_not_running"
+
+
+class ControlAccessDenied(ChandradError):
+    """``chandractl``: the socket exists but this user may not connect (EACCES/EPERM): exit 4."""
+
+    code = "forbidden"
+
+
+class ControlTransportError(ChandradError):
+    """``chandractl``: the connection broke, timed out, or the daemon answered garbage: exit 1."""
+
+    code = "control_transport"
+
+
+class BatchInputError(ValueError):
+    """A command-line input that cannot be part of a batch (missing, inside the output):
+    ``chandrad batch`` exits 2 (usage)."""
+
+
+class NvmlUnavailable(Exception):
+    """NVML could not be loaded or initialised; the message is NVML's own text."""
+
+
+class NoPagePixels(RuntimeError):
+    """Post-processing needed the page's pixels but was sent only its size: a bug in
+    ``PageImage.for_answer``, raised rather than written as a missing crop."""
 
 
 #: A job the operator cancelled (``chandractl cancel``): the store's ``error_code`` and

@@ -1,4 +1,4 @@
-"""Fetching the model's weights into the Hugging Face cache (issue 10: weights on first start).
+"""Fetching the model's weights into the Hugging Face cache (weights on first start).
 
 Owns ``chandrad fetch-model``: ``engine.model`` into the cache the engine reads
 (``engine.env``'s ``HF_*`` variables apply) with huggingface_hub's own client and cache
@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from chandrad.errors import ExitCode
 from chandrad.errors import ModelFetchFailed as FetchFailed
 
 
@@ -124,9 +125,9 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 #: The child's protocol (``python -m chandrad.fetch MODEL``), one line each on stdout.
 PROGRESS_LINE = "progress"  # ``progress DONE TOTAL``
-ERROR_LINE = "error"  # ``error REASON``, then the exit status:
-EXIT_NOT_FOUND = 3  # the hub says no such repository, revision or file, or no access: fatal
-EXIT_FAILED = 1  # anything else (network, hub errors, disk): worth a retry
+ERROR_LINE = "error"  # ``error REASON``, then the exit status: ExitCode.CONFIG when the
+# hub says no such repository, revision or file, or no access (fatal); ExitCode.UNAVAILABLE
+# for anything else (network, hub errors, disk: worth a retry).
 
 
 def _not_found(exc: BaseException | None) -> bool:
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         fetch_model(model, report)
     except FetchFailed as exc:
         print(f"{ERROR_LINE} {exc}".replace("\n", " "), flush=True)
-        return EXIT_NOT_FOUND if _not_found(exc.__cause__) else EXIT_FAILED
-    return 0
+        return ExitCode.CONFIG if _not_found(exc.__cause__) else ExitCode.UNAVAILABLE
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from chandrad.errors import NvmlUnavailable
 from chandrad.protocol import GpuReply
 
 GIB = 2**30
@@ -40,10 +41,6 @@ class GpuInfo:
     memory_used: int
     memory_free: int
     processes: list[GpuProcess] = field(default_factory=list)
-
-
-class NvmlUnavailable(Exception):
-    """NVML could not be loaded or initialised; the message is NVML's own text."""
 
 
 def _import_nvml() -> types.ModuleType:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from chandra.prompts import PROMPT_MAPPING
 
 from chandrad import png
-from chandrad.errors import InputError
+from chandrad.errors import InputError, NoPagePixels
 from chandrad.interfaces import EncodedJson
 
 if TYPE_CHECKING:
@@ -313,11 +313,6 @@ def _encode_crop(name: str, image: Image.Image) -> bytes:
     # the CPU for files about a fifth larger (bench/README.md, "CPU per page").
     image.save(buf, format=fmt, **({"method": WEBP_METHOD} if fmt == "WEBP" else {}))
     return buf.getvalue()
-
-
-class NoPagePixels(RuntimeError):
-    """Post-processing needed the page's pixels but was sent only its size: a bug in
-    ``PageImage.for_answer``, raised rather than written as a missing crop."""
 
 
 class _LazyPage:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict
 
 from chandrad import PROTOCOL_VERSION
-from chandrad.errors import CONTROL_ERROR_CODES, ControlError
+from chandrad.errors import CONTROL_ERROR_CODES, ControlErrorCode, ProtocolError
 from chandrad.states import JobState
 
 #: Longest frame (request or reply line) either side accepts, newline excluded.
@@ -31,20 +31,6 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
 Tier = Literal["read", "write"]
 RequestId = str | int | None
-
-
-class ProtocolError(ControlError):
-    """A frame that cannot be honoured; ``error_code`` is one of ``CONTROL_ERROR_CODES``.
-
-    ``request_id`` is the id of the offending request when it could be read, so the
-    error reply can still be matched by the client.
-    """
-
-    def __init__(self, code: str, message: str, request_id: RequestId = None) -> None:
-        if code not in CONTROL_ERROR_CODES:
-            raise ValueError(f"unknown control error code {code!r}")
-        super().__init__(code, message)
-        self.request_id = request_id
 
 
 @dataclass(frozen=True)
@@ -274,14 +260,15 @@ class Reply:
     id: RequestId
     ok: bool
     result: dict[str, Any] = field(default_factory=dict)
-    error_code: str = ""
+    error_code: ControlErrorCode | None = None
     error_message: str = ""
 
 
 def _dumps(obj: dict[str, Any]) -> bytes:
     data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=str).encode()
     if len(data) > MAX_LINE_BYTES:
-        raise ProtocolError("too_large", f"frame of {len(data)} bytes exceeds {MAX_LINE_BYTES}")
+        raise ProtocolError(ControlErrorCode.TOO_LARGE,
+                            f"frame of {len(data)} bytes exceeds {MAX_LINE_BYTES}")
     return data + b"\n"
 
 
@@ -311,22 +298,23 @@ def _loads(line: bytes, *, strict: bool = False) -> dict[str, Any]:
     ``NaN``/``Infinity``. Replies are read as Python writes them (a metric may be NaN).
     """
     if len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES:
-        raise ProtocolError("too_large", f"frame exceeds {MAX_LINE_BYTES} bytes")
+        raise ProtocolError(ControlErrorCode.TOO_LARGE, f"frame exceeds {MAX_LINE_BYTES} bytes")
     try:
         if strict:
             obj = json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
         else:
             obj = json.loads(line)
     except _Ambiguous as exc:
-        raise ProtocolError("bad_request", f"ambiguous request: {exc}") from exc
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST, f"ambiguous request: {exc}") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError("bad_request", f"not a JSON object: {exc}") from exc
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST, f"not a JSON object: {exc}") from exc
     except ValueError as exc:  # an integer of more digits than int() accepts (4300)
-        raise ProtocolError("bad_request", f"unreadable number: {exc}") from exc
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST, f"unreadable number: {exc}") from exc
     except RecursionError as exc:
-        raise ProtocolError("bad_request", "JSON nested too deeply") from exc
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST, "JSON nested too deeply") from exc
     if not isinstance(obj, dict):
-        raise ProtocolError("bad_request", "a frame must be one JSON object per line")
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST,
+                            "a frame must be one JSON object per line")
     return obj
 
 
@@ -352,23 +340,24 @@ def decode_request(line: bytes) -> Request:
     version = obj.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            "unsupported_version",
+            ControlErrorCode.UNSUPPORTED_VERSION,
             f"protocol version {version!r} is not supported; this daemon speaks "
             f"v{PROTOCOL_VERSION} (upgrade or downgrade chandractl to match)",
             rid,
         )
     cmd = obj.get("cmd")
     if not isinstance(cmd, str):
-        raise ProtocolError("bad_request", "missing \"cmd\" (a string)", rid)
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST, "missing \"cmd\" (a string)", rid)
     if cmd not in COMMANDS:
         raise ProtocolError(
-            "unknown_command", f"unknown command {cmd!r}; known: {', '.join(COMMANDS)}", rid
+            ControlErrorCode.UNKNOWN_COMMAND,
+            f"unknown command {cmd!r}; known: {', '.join(COMMANDS)}", rid
         )
     args = obj.get("args", {})
     if args is None:
         args = {}
     if not isinstance(args, dict):
-        raise ProtocolError("bad_request", "\"args\" must be a JSON object", rid)
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST, "\"args\" must be a JSON object", rid)
     return Request(rid, cmd, args)
 
 
@@ -380,31 +369,34 @@ def validate_args(cmd: str, args: dict[str, Any]) -> dict[str, Any]:
     """
     spec = COMMANDS.get(cmd)
     if spec is None:
-        raise ProtocolError("unknown_command", f"unknown command {cmd!r}")
+        raise ProtocolError(ControlErrorCode.UNKNOWN_COMMAND, f"unknown command {cmd!r}")
     for name in args:
         if name not in spec.args:
             allowed = ", ".join(spec.args) or "none"
             raise ProtocolError(
-                "bad_request", f"{cmd}: unknown argument {name!r} (allowed: {allowed})"
+                ControlErrorCode.BAD_REQUEST,
+                f"{cmd}: unknown argument {name!r} (allowed: {allowed})"
             )
     for name, arg in spec.args.items():
         if name not in args or args[name] is None:
             if arg.required:
-                raise ProtocolError("bad_request", f"{cmd}: argument {name!r} is required")
+                raise ProtocolError(ControlErrorCode.BAD_REQUEST,
+                                    f"{cmd}: argument {name!r} is required")
             continue
         value = args[name]
         # bool is an int in Python; JSON true is never a valid job id.
         if not isinstance(value, arg.kind) or (isinstance(value, bool) and arg.kind is not bool):
             raise ProtocolError(
-                "bad_request",
+                ControlErrorCode.BAD_REQUEST,
                 f"{cmd}: argument {name!r} must be {arg.kind.__name__}, got {value!r}",
             )
         if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
             raise ProtocolError(
-                "bad_request", f"{cmd}: argument {name!r} is out of range (64-bit integer)")
+                ControlErrorCode.BAD_REQUEST,
+                f"{cmd}: argument {name!r} is out of range (64-bit integer)")
         if arg.choices and value not in arg.choices:
             raise ProtocolError(
-                "bad_request",
+                ControlErrorCode.BAD_REQUEST,
                 f"{cmd}: argument {name!r} must be one of {', '.join(arg.choices)}",
             )
     return args
@@ -420,10 +412,10 @@ def encode_result(id: RequestId, result: dict[str, Any]) -> bytes:
     return _dumps({"v": PROTOCOL_VERSION, "id": id, "ok": True, "result": versioned(result)})
 
 
-def encode_error(id: RequestId, code: str, message: str) -> bytes:
-    """A failure line. Long messages are cut so the frame always fits the limit."""
-    if code not in CONTROL_ERROR_CODES:
-        code = "internal_error"
+def encode_error(id: RequestId, code: ControlErrorCode | str, message: str) -> bytes:
+    """A failure line; a code that is not a :class:`ControlErrorCode` goes out as
+    ``internal_error``. Long messages are cut so the frame always fits the limit."""
+    code = _known_code(code)
     message = message[: MAX_LINE_BYTES // 8]
     return _dumps({
         "v": PROTOCOL_VERSION, "id": id, "ok": False,
@@ -441,17 +433,26 @@ def decode_reply(line: bytes) -> Reply:
     rid = obj.get("id")
     if obj.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(
-            "unsupported_version",
+            ControlErrorCode.UNSUPPORTED_VERSION,
             f"daemon answered with protocol version {obj.get('v')!r}; this chandractl "
             f"speaks v{PROTOCOL_VERSION}",
         )
     if obj.get("ok") is True:
         result = obj.get("result")
         if not isinstance(result, dict):
-            raise ProtocolError("bad_request", "reply has no result object")
+            raise ProtocolError(ControlErrorCode.BAD_REQUEST, "reply has no result object")
         return Reply(rid, True, result)
     error = obj.get("error")
     if obj.get("ok") is not False or not isinstance(error, dict):
-        raise ProtocolError("bad_request", "reply is neither ok nor a structured error")
-    return Reply(rid, False, error_code=str(error.get("code", "internal_error")),
+        raise ProtocolError(ControlErrorCode.BAD_REQUEST,
+                            "reply is neither ok nor a structured error")
+    return Reply(rid, False, error_code=_known_code(str(error.get("code", ""))),
                  error_message=str(error.get("message", "")))
+
+
+def _known_code(code: ControlErrorCode | str) -> ControlErrorCode:
+    """``code`` as a :class:`ControlErrorCode`; one this side does not know is
+    ``internal_error``."""
+    if code in CONTROL_ERROR_CODES:
+        return ControlErrorCode(code)
+    return ControlErrorCode.INTERNAL_ERROR

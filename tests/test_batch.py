@@ -18,8 +18,9 @@ import pytest
 from test_daemon_service import base_env
 from waiting import exited, wait_until
 
-from chandrad.batch import BatchInputError, Entry, batch_config, plan, stage
+from chandrad.batch import Entry, batch_config, plan, stage
 from chandrad.config import parse_config
+from chandrad.errors import BatchInputError
 
 
 def _batch(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,8 @@ from control_harness import RecordingDaemon, ServerThread
 from waiting import wait_until
 
 from chandrad.control.handlers import Handlers
-from chandrad.control.server import ControlServer, ControlSocketError, ControlSocketInUse
+from chandrad.control.server import ControlServer
+from chandrad.errors import ControlSocketError, ControlSocketInUse
 from chandrad.protocol import MAX_LINE_BYTES, encode_request
 
 

@@ -31,9 +31,9 @@ from standin_engine import StandinServer, standin_server
 
 from chandrad import errors
 from chandrad.engine.client import EngineClient
+from chandrad.errors import NoPagePixels
 from chandrad.interfaces import BASE64_SLICE_BYTES, EncodedJson
 from chandrad.ocr import (
-    NoPagePixels,
     PageImage,
     build_chat_request,
     encode_chat_request,

@@ -11,12 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chandrad import PROTOCOL_VERSION
-from chandrad.errors import CONTROL_ERROR_CODES
+from chandrad.errors import CONTROL_ERROR_CODES, ProtocolError
 from chandrad.interfaces import DaemonControl
 from chandrad.protocol import (
     COMMANDS,
     MAX_LINE_BYTES,
-    ProtocolError,
     decode_reply,
     decode_request,
     encode_error,

@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from chandrad import PROTOCOL_VERSION, __version__
-from chandrad.errors import ControlError
+from chandrad.errors import ControlError, ControlErrorCode, ProtocolError
 from chandrad.interfaces import DaemonControl
-from chandrad.protocol import ProtocolError, validate_args, versioned
+from chandrad.protocol import validate_args, versioned
 
 Result = dict[str, Any]
 
@@ -21,7 +21,8 @@ Result = dict[str, Any]
 def _as_result(cmd: str, value: Any) -> Result:
     if not isinstance(value, dict):
         raise ControlError(
-            "internal_error", f"{cmd}: the daemon returned {type(value).__name__}, not a dict"
+            ControlErrorCode.INTERNAL_ERROR,
+            f"{cmd}: the daemon returned {type(value).__name__}, not a dict"
         )
     return versioned(value)
 
@@ -63,7 +64,7 @@ class Handlers:
 
     async def queue(self, state: str | None = None, limit: int = 1000) -> Result:
         if limit < 1:
-            raise ProtocolError("bad_request", "queue: limit must be at least 1")
+            raise ProtocolError(ControlErrorCode.BAD_REQUEST, "queue: limit must be at least 1")
         jobs = self.daemon.queue(state=state, limit=limit)
         return versioned({"state": state, "limit": limit, "jobs": list(jobs)})
 
@@ -87,7 +88,8 @@ class Handlers:
 
     async def retry(self, job: int | None = None, failed: bool = False) -> Result:
         if (job is None) == (not failed):
-            raise ProtocolError("bad_request", "retry: give either a job id or failed=true")
+            raise ProtocolError(ControlErrorCode.BAD_REQUEST,
+                                "retry: give either a job id or failed=true")
         return _as_result("retry", await self.daemon.retry(job_id=job, all_failed=failed))
 
     async def cancel(self, job: int) -> Result:

@@ -62,12 +62,18 @@ from typing import Literal
 
 import structlog
 
-from chandrad.errors import ChandradError, ControlError, ExitCode
+from chandrad.errors import (
+    ChandradError,
+    ControlError,
+    ControlErrorCode,
+    ControlSocketError,
+    ControlSocketInUse,
+    ProtocolError,
+)
 from chandrad.events import Event
 from chandrad.protocol import (
     COMMANDS,
     MAX_LINE_BYTES,
-    ProtocolError,
     RequestId,
     decode_request,
     encode_error,
@@ -120,23 +126,6 @@ class _Connection:
         if self.writing_since is None:
             return 0
         return self.writer.transport.get_write_buffer_size()
-
-
-class ControlSocketError(ChandradError):
-    """The control socket cannot be set up (path, group or permissions).
-
-    Exit 78 like a config error: a restart cannot fix it, the operator must
-    (``control.socket``, ``control.group``, or the daemon already using it).
-    """
-
-    code = "control_socket_error"
-    exit_code = ExitCode.CONFIG
-
-
-class ControlSocketInUse(ControlSocketError):
-    """Another live daemon answers on the socket path: refuse to steal it."""
-
-    code = "control_socket_in_use"
 
 
 def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -388,7 +377,8 @@ class ControlServer:
         if not self._make_room(pid):
             self._refused += 1
             self._log_limit()
-            writer.write(encode_error(None, "busy", self._busy_message("all are busy")))
+            writer.write(encode_error(None, ControlErrorCode.BUSY,
+            self._busy_message("all are busy")))
             await _close(writer)
             return
         # drain() returns only once a reply is wholly in the kernel's buffer: a connection
@@ -441,7 +431,7 @@ class ControlServer:
         transport = victim.writer.transport
         with contextlib.suppress(Exception):
             victim.writer.write(encode_error(
-                None, "busy", self._busy_message("closing the one idle longest")))
+                None, ControlErrorCode.BUSY, self._busy_message("closing the one idle longest")))
             transport.close()  # the busy line is flushed before the close...
         # ...unless the client does not take even that.
         asyncio.get_running_loop().call_later(EVICT_GRACE_S, transport.abort)
@@ -503,14 +493,16 @@ class ControlServer:
             except asyncio.LimitOverrunError:
                 conn.idle_since = None
                 writer.write(encode_error(
-                    None, "too_large", f"request line exceeds {MAX_LINE_BYTES} bytes"))
+                    None, ControlErrorCode.TOO_LARGE,
+                    f"request line exceeds {MAX_LINE_BYTES} bytes"))
                 await self._flush(conn)
                 await self._discard(reader, writer)
                 return
             except TimeoutError:
                 conn.idle_since = None
                 writer.write(encode_error(
-                    None, "timeout", f"no complete request line within {self.read_timeout:g} s"))
+                    None, ControlErrorCode.TIMEOUT,
+                    f"no complete request line within {self.read_timeout:g} s"))
                 await self._flush(conn)
                 return
             conn.idle_since = None
@@ -521,7 +513,7 @@ class ControlServer:
                 # reload --wait): answer it, never leave the client with a closed socket.
                 with contextlib.suppress(Exception):
                     writer.write(encode_error(
-                        _request_id(line), "invalid_state",
+                        _request_id(line), ControlErrorCode.INVALID_STATE,
                         "daemon is stopping: the command was cut short"))
                 raise
             writer.write(reply)
@@ -538,7 +530,8 @@ class ControlServer:
                 log.warning("control_forbidden", cmd=request.cmd, peer_uid=uid, peer_pid=pid)
                 need = ("root or the daemon's user" if tier == "write"
                         else "membership in the control socket's group")
-                raise ProtocolError("forbidden", f"{request.cmd} needs {need} (uid {uid})", rid)
+                raise ProtocolError(ControlErrorCode.FORBIDDEN,
+                                    f"{request.cmd} needs {need} (uid {uid})", rid)
             if tier == "write":
                 log.info(Event.CONTROL_REQUEST, cmd=request.cmd, args=request.args,
                          peer_uid=uid, peer_pid=pid)
@@ -550,10 +543,11 @@ class ControlServer:
         except ControlError as exc:
             return encode_error(rid, exc.error_code, exc.message)
         except ChandradError as exc:
-            return encode_error(rid, "internal_error", f"{exc.code}: {exc.message}")
+            return encode_error(rid, ControlErrorCode.INTERNAL_ERROR, f"{exc.code}: {exc.message}")
         except Exception as exc:
             log.exception("control_handler_error", peer_uid=uid)
-            return encode_error(rid, "internal_error", f"{type(exc).__name__}: {exc}")
+            return encode_error(rid, ControlErrorCode.INTERNAL_ERROR,
+            f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     async def _discard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

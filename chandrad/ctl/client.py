@@ -16,8 +16,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from chandrad.errors import ChandradError, ConfigError, ControlError
-from chandrad.protocol import MAX_LINE_BYTES, ProtocolError, decode_reply, encode_request
+from chandrad.errors import (
+    ConfigError,
+    ControlAccessDenied,
+    ControlError,
+    ControlErrorCode,
+    ControlTransportError,
+    DaemonNotRunning,
+    ProtocolError,
+)
+from chandrad.protocol import MAX_LINE_BYTES, decode_reply, encode_request
 
 DEFAULT_SOCKET = Path("/run/chandrad/control.sock")
 DEFAULT_CONFIG = Path("/etc/chandrad/chandrad.toml")  # as config.DEFAULT_CONFIG_PATH
@@ -25,24 +33,6 @@ START_HINT = (
     "is chandrad running? start it with `systemctl start chandrad` "
     "or `chandrad run --config ...`"
 )
-
-
-class DaemonNotRunning(ChandradError):
-    """Nothing listens on the socket (ENOENT, ECONNREFUSED): LSB exit 3."""
-
-    code = "daemon_not_running"
-
-
-class ControlAccessDenied(ChandradError):
-    """The socket exists but this user may not connect (EACCES/EPERM): exit 4."""
-
-    code = "forbidden"
-
-
-class ControlTransportError(ChandradError):
-    """The connection broke, timed out, or the daemon answered garbage: exit 1."""
-
-    code = "control_transport"
 
 
 def resolve_socket(option: str | None, environ: Mapping[str, str] = os.environ) -> Path:
@@ -137,7 +127,8 @@ class ControlClient:
         except ProtocolError as exc:
             raise ControlTransportError(f"unreadable reply from daemon: {exc.message}") from exc
         if not reply.ok:
-            raise ControlError(reply.error_code, reply.error_message)
+            raise ControlError(reply.error_code or ControlErrorCode.INTERNAL_ERROR,
+                               reply.error_message)
         return reply.result
 
     def _read_line(self) -> bytes:

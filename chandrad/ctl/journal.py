@@ -30,6 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from chandrad import errors
+from chandrad.engine.classify import FailureClass
 from chandrad.errors import CtlExit
 from chandrad.events import Event
 from chandrad.logs import journal_fields
@@ -54,13 +56,13 @@ DEFAULT_ENGINE = "0"
 _EVIDENCE_CHARS = 160
 
 _FILE_ADVICE = {
-    "encrypted_pdf": "remove the password and drop the file again",
-    "decompression_bomb": "the image is larger than the pixel limit allows; rescale it",
-    "too_many_pages": "split the document or raise [ocr] max_pages",
-    "empty_input": "the file has no pages",
-    "unsupported_format": "only PDFs and images are accepted",
-    "corrupt_input": "the file cannot be parsed; re-export or re-scan it",
-    "internal_error": "a chandrad bug: keep the journal and report it",
+    errors.EncryptedInput.code: "remove the password and drop the file again",
+    errors.DecompressionBomb.code: "the image is larger than the pixel limit allows; rescale it",
+    errors.TooManyPages.code: "split the document or raise [ocr] max_pages",
+    errors.EmptyInput.code: "the file has no pages",
+    errors.UnsupportedFormat.code: "only PDFs and images are accepted",
+    errors.InputError.code: "the file cannot be parsed; re-export or re-scan it",
+    errors.InternalError.code: "a chandrad bug: keep the journal and report it",
 }
 
 
@@ -422,16 +424,17 @@ def _recommend(report: dict[str, Any], last_evidence: dict[str, str]) -> list[st
         ids = [i for i, e in engines.items() if e["failures"].get(cls)]
         return f" ({'engine' if len(ids) == 1 else 'engines'} {', '.join(ids)})"
 
-    if failures.get("host_oom"):
+    host_oom, other_fatal = FailureClass.HOST_OOM, FailureClass.OTHER_FATAL
+    if failures.get(host_oom):
         recs.append(
-            f"{failures['host_oom']} host_oom{where('host_oom')}: the kernel OOM killer "
+            f"{failures[host_oom]} {host_oom}{where(host_oom)}: the kernel OOM killer "
             "stopped the engine (host RAM, not GPU); lower [engine.memory] "
             "mm_processor_cache_gb or [ocr] render_workers, or add RAM"
         )
-    if failures.get("other_fatal"):
-        evidence = " ".join(last_evidence.get("other_fatal", "").split())[:160]
+    if failures.get(other_fatal):
+        evidence = " ".join(last_evidence.get(other_fatal, "").split())[:160]
         recs.append(
-            f"{failures['other_fatal']} other_fatal{where('other_fatal')}: not a memory "
+            f"{failures[other_fatal]} {other_fatal}{where(other_fatal)}: not a memory "
             f"problem, lowering memory will not help; last evidence: {evidence!r}"
         )
     if report["restarts"] and not failures and not changes:

@@ -17,13 +17,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from chandrad import PROTOCOL_VERSION, __version__
-from chandrad.ctl.client import (
+from chandrad.ctl.client import call, resolve_socket
+from chandrad.errors import (
+    CTL_EXIT4_CODES,
+    ChandradError,
     ControlAccessDenied,
+    ControlError,
+    CtlExit,
     DaemonNotRunning,
-    call,
-    resolve_socket,
 )
-from chandrad.errors import CTL_EXIT4_CODES, ChandradError, ControlError, CtlExit
 
 #: Daemon commands whose reply may take as long as the work (no client timeout).
 WAITING = ("drain", "reload")

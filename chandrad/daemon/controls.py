@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from chandrad.daemon import report
 from chandrad.daemon.queue import stopping_refusal
-from chandrad.errors import ControlError
+from chandrad.errors import ControlError, ControlErrorCode
 from chandrad.protocol import GpuReply, StatusReply
 from chandrad.states import DaemonState, EngineCommand
 
@@ -52,7 +52,8 @@ class Controls:
         daemon = self.daemon
         assert daemon.pipeline is not None
         if daemon.state not in _PAUSABLE:
-            raise ControlError("invalid_state", f"cannot pause while {daemon.state.value}")
+            raise ControlError(ControlErrorCode.INVALID_STATE,
+                               f"cannot pause while {daemon.state.value}")
         daemon.pipeline.dispatching.clear()
         daemon.set_state(DaemonState.PAUSED, "operator pause")
         return {"state": daemon.state.value}
@@ -61,7 +62,8 @@ class Controls:
         daemon = self.daemon
         assert daemon.pipeline is not None
         if daemon.state not in _PAUSABLE:
-            raise ControlError("invalid_state", f"cannot resume while {daemon.state.value}")
+            raise ControlError(ControlErrorCode.INVALID_STATE,
+                               f"cannot resume while {daemon.state.value}")
         daemon.pipeline.dispatching.set()
         daemon.set_state(DaemonState.RUNNING, "operator resume")
         return {"state": daemon.state.value}
@@ -74,7 +76,8 @@ class Controls:
             daemon.pipeline.dispatching.set()
             daemon.set_state(DaemonState.DRAINING, "operator drain")
         elif daemon.state not in (DaemonState.DRAINING, DaemonState.DRAINED):
-            raise ControlError("invalid_state", f"cannot drain while {daemon.state.value}")
+            raise ControlError(ControlErrorCode.INVALID_STATE,
+                               f"cannot drain while {daemon.state.value}")
         self.check_drained()
         if wait and daemon.state is DaemonState.DRAINING:
             fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -102,11 +105,12 @@ class Controls:
         if job_id is not None:
             job = store.get(job_id)
             if job is None:
-                raise ControlError("not_found", f"no job {job_id}")
+                raise ControlError(ControlErrorCode.NOT_FOUND, f"no job {job_id}")
             jobs = [job]
         retried = [j.id for j in jobs if pipeline.retry_job(j)]
         if job_id is not None and not retried:
-            raise ControlError("invalid_state", f"job {job_id} is not failed, partial or "
+            raise ControlError(ControlErrorCode.INVALID_STATE,
+                               f"job {job_id} is not failed, partial or "
                                "cancelled")
         return {"retried": retried}
 
@@ -114,16 +118,17 @@ class Controls:
         store, pipeline = self.daemon.store, self.daemon.pipeline
         assert store is not None and pipeline is not None
         if store.get(job_id) is None:
-            raise ControlError("not_found", f"no job {job_id}")
+            raise ControlError(ControlErrorCode.NOT_FOUND, f"no job {job_id}")
         if not await pipeline.cancel_job(job_id):
-            raise ControlError("invalid_state", f"job {job_id} is already finished")
+            raise ControlError(ControlErrorCode.INVALID_STATE, f"job {job_id} is already finished")
         return {"cancelled": job_id}
 
     async def rescan(self) -> dict[str, Any]:
         daemon = self.daemon
         assert daemon.watcher is not None
         if daemon.pipeline is not None and not daemon.pipeline.accepting:
-            raise ControlError("invalid_state", "draining: no new files are accepted")
+            raise ControlError(ControlErrorCode.INVALID_STATE,
+                               "draining: no new files are accepted")
         found = await daemon.watcher.rescan()
         return {"candidates": found}
 
@@ -137,11 +142,12 @@ class Controls:
         assert daemon.engine is not None
         self._refuse_if_stopping("engine restart")
         if not daemon.config.engine.supervised:
-            raise ControlError("invalid_state", "engine.url is set: the engine is remote and "
+            raise ControlError(ControlErrorCode.INVALID_STATE,
+                               "engine.url is set: the engine is remote and "
                                "not supervised by chandrad")
         chosen = [e for e in daemon.engines if engine_id is None or e.engine_id == engine_id]
         if not chosen:
-            raise ControlError("not_found", f"no engine {engine_id!r} (engines: "
+            raise ControlError(ControlErrorCode.NOT_FOUND, f"no engine {engine_id!r} (engines: "
                                f"{', '.join(e.engine_id for e in daemon.engines)})")
         for engine in chosen:
             engine.request(EngineCommand.RESTART)

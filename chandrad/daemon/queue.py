@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from chandrad.errors import ControlError
+from chandrad.errors import ControlError, ControlErrorCode
 from chandrad.states import DaemonCommand
 
 
@@ -38,7 +38,7 @@ class Command:
 
 def stopping_refusal(what: str) -> ControlError:
     """The one answer to a request a stopping daemon no longer carries out."""
-    return ControlError("invalid_state", f"daemon is stopping: {what} refused")
+    return ControlError(ControlErrorCode.INVALID_STATE, f"daemon is stopping: {what} refused")
 
 
 class CommandQueue:

@@ -20,7 +20,7 @@ from chandrad.config import Config, engine_settings_changed, load_config
 from chandrad.daemon.queue import Command
 from chandrad.daemon.wiring import plan_engines, watch_folder_problems
 from chandrad.engine.supervisor import EngineSupervisor
-from chandrad.errors import ConfigError, ConfigProblem, ControlError
+from chandrad.errors import ConfigError, ConfigProblem, ControlError, ControlErrorCode
 from chandrad.events import Event
 from chandrad.logs import configure_logging
 from chandrad.states import DAEMON_TRANSITIONS, DaemonCommand, DaemonState, EngineState
@@ -121,7 +121,8 @@ class Reloader:
                         await asyncio.sleep(0.5)
             except TimeoutError:
                 raise ControlError(
-                    "timeout", f"config reloaded, but the new engine is not ready after "
+                    ControlErrorCode.TIMEOUT,
+                    f"config reloaded, but the new engine is not ready after "
                     f"{limit:g} s (engine.stop_timeout + engine.startup_timeout + "
                     f"{RELOAD_WAIT_SLACK_S:g} s); it is {daemon.engine.state.value}: see "
                     "chandractl status") from None
@@ -136,7 +137,7 @@ class Reloader:
             command.fail(exc)
             return
         except BaseException as exc:
-            command.fail(ControlError("internal_error", f"reload failed: {exc!r}"))
+            command.fail(ControlError(ControlErrorCode.INTERNAL_ERROR, f"reload failed: {exc!r}"))
             raise
         finally:
             self.phase = ""
@@ -154,7 +155,8 @@ class Reloader:
         self.refused = " ".join(("; ".join(problems) or message).split())[:200]
         self._end(previous, "reload refused")
         self.daemon.notifier.ready(self.daemon.status_line())
-        return ControlError("invalid_state", "new config refused, old one kept:\n" + message)
+        return ControlError(ControlErrorCode.INVALID_STATE,
+                            "new config refused, old one kept:\n" + message)
 
     async def _apply(self) -> dict[str, Any]:
         """Re-read the config; an invalid one is refused and the old one stays."""

@@ -1,4 +1,4 @@
-"""Weights on first start: the fetch child the supervisor runs before vLLM (issue 10).
+"""Weights on first start: the fetch child the supervisor runs before vLLM.
 
 Owns deciding whether ``engine.model`` must be downloaded (a hub id the HF cache does
 not hold), running ``python -m chandrad.fetch MODEL`` in its own session with the
@@ -20,6 +20,7 @@ from pathlib import Path
 from chandrad import fetch, model_files
 from chandrad.config import EngineConfig
 from chandrad.engine.classify import Diagnosis, FailureClass
+from chandrad.errors import ExitCode
 
 _FETCH_ACTION = ("run `chandrad fetch-model --config <config>` as the daemon's user (or copy a "
                  "cache fetched elsewhere)")
@@ -100,7 +101,7 @@ class FetchChild:
         if code == 0:
             return code, None
         evidence = self._last_error or f"the fetch child exited {code}"
-        if code == fetch.EXIT_NOT_FOUND:
+        if code == ExitCode.CONFIG:
             return code, Diagnosis(
                 cls=FailureClass.OTHER_FATAL, evidence=evidence, numbers={},
                 action="fix engine.model (the hub has no such repository, or this host has "

@@ -14,6 +14,7 @@ from typing import Any
 
 from chandrad.config import DownshiftConfig, MemoryConfig
 from chandrad.engine import launch
+from chandrad.engine.classify import FailureClass
 
 
 @dataclass(frozen=True)
@@ -219,23 +220,23 @@ def _step(
 ) -> Decision:
     pixels = profile.max_pixels or max_pixels
     out_tokens = profile.max_output_tokens or max_output_tokens
-    if failure == "kv_cache_insufficient":
+    if failure == FailureClass.KV_CACHE_INSUFFICIENT:
         return _kv_cache(profile, numbers, floors, gpu, pixels, out_tokens)
-    if failure == "gpu_memory_utilization_too_high":
+    if failure == FailureClass.GPU_MEMORY_UTILIZATION_TOO_HIGH:
         return _utilization(profile, numbers, floors, gpu)
-    if failure == "cuda_oom_load":
+    if failure == FailureClass.CUDA_OOM_LOAD:
         return _oom_load(profile, floors, pixels)
-    if failure == "fragmentation":
+    if failure == FailureClass.FRAGMENTATION:
         if not profile.expandable_segments:
             return Decision(profile.with_changes(expandable_segments=True),
                             "fragmentation: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return _oom_runtime(profile, floors, pixels, "fragmentation recurred with "
                             "expandable_segments; treating it as a runtime OOM")
-    if failure == "cuda_oom_runtime":
+    if failure == FailureClass.CUDA_OOM_RUNTIME:
         return _oom_runtime(profile, floors, pixels, "CUDA OOM while serving")
-    if failure == "host_oom":
+    if failure == FailureClass.HOST_OOM:
         return _host_oom(profile, floors)
-    if failure == "mamba_cache_insufficient":
+    if failure == FailureClass.MAMBA_CACHE_INSUFFICIENT:
         return _mamba_cache(profile, numbers, floors)
     return Decision(profile, f"{failure}: restart with the same profile")
 
