@@ -26,8 +26,8 @@ class EncodedJson:
     """A request body encoded as JSON (UTF-8) around one image: ``head``, the image in
     base64, ``tail``. The base64 is written only as the body is sent, a slice at a time,
     and the body is never joined: a page's image is most of a chat request, and the
-    daemon holds each page as its PNG alone (3/4 of its base64: ~0.47 instead of
-    ~0.63 MB), however many requests are in flight."""
+    daemon holds each page as its PNG alone (3/4 of its base64; the size per page:
+    bench/README.md, "Current figures"), however many requests are in flight."""
 
     head: bytes
     image: bytes

@@ -1,12 +1,13 @@
 """The daemon's allocator setting does what its comment says, in a real process.
 
-``chandrad.daemon.core`` sets glibc's mmap threshold at start so that page images
-(~0.47 MB of PNG each) are mapped apart and unmapped when freed, instead of coming
-from the heap, which keeps freed memory. Each check runs in a fresh interpreter (the
-setting lasts for the process) and reads glibc's own account (``mallinfo2``: bytes in
-mapped blocks) with 150 page-sized blocks alive, then freed. The control, glibc's
-default, shows the check can fail: once a block that size has been freed, glibc's own
-threshold rises above page size and pages come from the heap.
+``chandrad.daemon.core`` sets glibc's mmap threshold at start so that page images (PNGs
+of about half a megabyte; bench/README.md, "Current figures") are mapped apart and
+unmapped when freed, instead of coming from the heap, which keeps freed memory. Each
+check runs in a fresh interpreter (the setting lasts for the process) and reads glibc's
+own account (``mallinfo2``: bytes in mapped blocks) with 150 page-sized blocks alive,
+then freed. The control, glibc's default, shows the check can fail: once a block that
+size has been freed, glibc's own threshold rises above page size and pages come from the
+heap.
 """
 
 from __future__ import annotations

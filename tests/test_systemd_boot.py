@@ -102,7 +102,7 @@ def rootfs_tarball() -> Path:
 def wheelhouse() -> Path:
     """chandrad's dependencies (and its build backend) as wheels for Debian 12's Python,
     fetched with the host's pip configuration; keyed by pyproject.toml, so built once
-    per change. ``pip wheel`` builds what only comes as an sdist (sdnotify); ``pip
+    per change. ``pip wheel`` builds what only comes as an sdist; ``pip
     download --python-version`` then adds the versions that Python needs."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     wanted = [*pyproject["build-system"]["requires"], "wheel",

@@ -60,12 +60,11 @@ log = structlog.get_logger("chandrad.daemon")
 
 TICK = 1.0
 #: glibc's malloc maps every block of at least this size apart and unmaps it when freed.
-#: The daemon holds page images as PNG (~0.47 MB a page, ~120 pages at a time for a
+#: The daemon holds page images as PNG (about half a megabyte each, ~120 at a time for a
 #: 64-seq engine); with glibc's default, whose threshold rises to the size of the first
-#: such block freed, they come from the heap, which keeps the memory after a burst. Measured
-#: while pages were held as base64 (~0.63 MB): peak RSS 208 MB over a 546-page burst and
-#: 174 idle after it; with this, 172 and 96, for 1-2 ms of CPU per page (bench/README.md,
-#: "tenth pass").
+#: such block freed, they come from the heap, which keeps the memory after a burst. The
+#: figures (page size, peak and idle RSS with and without this, its CPU per page):
+#: bench/README.md, "Current figures".
 DAEMON_MMAP_THRESHOLD_BYTES = 256 << 10
 #: The states in which a settled file is handed to the pipeline.
 _ACCEPTING = (DaemonState.RUNNING, DaemonState.PAUSED, DaemonState.RELOADING)
