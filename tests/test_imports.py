@@ -44,7 +44,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "adapter": ("chandrad.engine.process", "chandrad.engine.session", "chandrad.engine.learned",
                 "chandrad.engine.flagcache",
                 "chandrad.engine.client", "chandrad.gpu",
-                "chandrad.store", "chandrad.watch", "chandrad.render", "chandrad.outputs",
+                "chandrad.store", "chandrad.store.records", "chandrad.store.contract",
+                "chandrad.store.sqlite", "chandrad.store.jobs", "chandrad.store.pages",
+                "chandrad.store.profiles", "chandrad.store.database", "chandrad.store.schema",
+                "chandrad.store.guard", "chandrad.store.repair",
+                "chandrad.watch", "chandrad.render", "chandrad.outputs",
                 "chandrad.systemd", "chandrad.logs", "chandrad.model_files", "chandrad.fetch",
                 "chandrad.metrics"),
     "service": ("chandrad.engine.supervisor", "chandrad.engine.fetching",
@@ -99,7 +103,8 @@ def _chandrad_imports(path: Path) -> set[str]:
 def _may_import(importer: str, imported: str) -> bool:
     """Down the map; sideways only within the pure, daemon and entry layers, and within one
     service package (``control.server`` -> ``control.handlers``). Adapters own one outside
-    resource each and import no other adapter; services meet each other only through the
+    resource each and import no other adapter (a package that is itself an adapter, ``store``,
+    is one resource: its modules import each other); services meet each other only through the
     daemon (one package, whose modules wire the parts together)."""
     a, b = LAYER_OF[importer], LAYER_OF[imported]
     if RANK[b] < RANK[a]:
@@ -108,6 +113,9 @@ def _may_import(importer: str, imported: str) -> bool:
         return False
     if a in ("pure", "daemon", "entry"):
         return True
+    if a == "adapter":
+        return any(LAYER_OF.get(package) == "adapter" and imported.startswith(package + ".")
+                   for package in (importer, importer.rsplit(".", 1)[0]))
     if a == "service":
         return importer.rsplit(".", 1)[0] == imported.rsplit(".", 1)[0] != "chandrad"
     return False
@@ -146,4 +154,7 @@ def test_layer_check_sees_every_form_of_import() -> None:
     assert not _may_import("chandrad.engine.command", "chandrad.systemd")
     assert not _may_import("chandrad.pipeline", "chandrad.engine.supervisor")
     assert not _may_import("chandrad.store", "chandrad.render")
+    assert not _may_import("chandrad.store.jobs", "chandrad.gpu")
+    assert not _may_import("chandrad.engine.process", "chandrad.engine.session")
+    assert _may_import("chandrad.store.sqlite", "chandrad.store.jobs")
     assert _may_import("chandrad.engine.command", "chandrad.engine.profile")

@@ -20,7 +20,7 @@ from conftest import CORPUS_DIR
 
 from chandrad.errors import InternalError, StateDirInUse
 from chandrad.states import JobState, PageState
-from chandrad.store import DB_NAME, LOCK_NAME, MIGRATIONS, Job, Store
+from chandrad.store import DB_NAME, LOCK_NAME, MIGRATIONS, Job, Store, StoreBackend
 
 CORPUS = CORPUS_DIR / "good"
 
@@ -53,6 +53,30 @@ def test_open_creates_wal_database_with_schema_version(tmp_path: Path) -> None:
         assert mode == "wal"
     finally:
         s.close()
+
+
+def test_sqlite_store_keeps_the_backend_contract(store: Store) -> None:
+    """The SQLite store is a ``StoreBackend`` (mypy checks the signatures here, the
+    assertion that no operation is missing): the contract a second backend implements."""
+    backend: StoreBackend = store
+    assert isinstance(backend, StoreBackend)
+    job = backend.accept(0, CORPUS, CORPUS / "x.pdf", 1, 0.0, "a" * 64)
+    assert job is not None and backend.get(job.id) == job
+
+
+def test_a_step_inside_a_transaction_joins_it(store: Store) -> None:
+    """A one-transaction operation called inside another transaction joins it: an error
+    later in the outer one takes the inner step back too (all or nothing)."""
+    job = store.accept(0, CORPUS, CORPUS / "x.pdf", 1, 0.0, "a" * 64)
+    assert job is not None
+    with pytest.raises(RuntimeError), store._tx():
+        store.init_pages(job.id, 3)
+        store.save_learned_profile("k", {"max_model_len": 1})
+        raise RuntimeError("after the steps")
+    assert store.pages(job.id) == [] and store.load_learned_profile("k") is None
+    with store._tx():
+        store.init_pages(job.id, 3)
+    assert len(store.pages(job.id)) == 3
 
 
 def test_refuses_database_from_newer_chandrad(tmp_path: Path) -> None:

@@ -1,0 +1,104 @@
+"""What the daemon asks of a store, whatever database holds it (backend-neutral).
+
+:class:`StoreBackend` is the queue's contract: the operations the pipeline, the batch
+runner, the control handlers and the metrics call, with the records of ``records``. The
+SQLite :class:`~chandrad.store.sqlite.Store` is one implementation (a test holds it to this
+protocol); a second backend implements the same methods with the same meaning, so one
+store test suite can run against both. Opening, checking and closing are each backend's
+own (a file and its lock; a server and its connection).
+
+The meaning every backend keeps: each method is one transaction (all or nothing); jobs and
+pages move along ``JOB_TRANSITIONS`` and ``PAGE_TRANSITIONS`` only (anything else raises
+InternalError and changes nothing); a write the storage refuses for space raises StoreFull
+and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from chandrad.states import JobState
+from chandrad.store.records import Job, Page, Recovered
+
+
+@runtime_checkable
+class StoreBackend(Protocol):
+    """The store as the daemon's services use it."""
+
+    #: What opening repaired after an unclean stop.
+    recovered: Recovered
+
+    def close(self) -> None: ...
+
+    def schema_version(self) -> int: ...
+
+    # -- jobs ------------------------------------------------------------------------
+
+    def accept(self, watch_index: int, input_root: Path, path: Path, size: int, mtime: float,
+               sha256: str, duplicates: str = "process") -> Job | None: ...
+
+    def accept_many(self, items: Iterable[tuple[int, Path, Path, int, float, str]],
+                    duplicates: str = "process") -> list[Job]: ...
+
+    def supersede(self, job_id: int, size: int, mtime: float, sha256: str,
+                  duplicates: str = "process") -> Job | None: ...
+
+    def next_jobs(self, roots: Collection[Path], exclude: Collection[int],
+                  limit: int) -> list[Job]: ...
+
+    def active_outside(self, roots: Collection[Path],
+                       limit: int = 20) -> tuple[int, list[Job]]: ...
+
+    def get(self, job_id: int) -> Job | None: ...
+
+    def find_active(self, abs_path: Path) -> Job | None: ...
+
+    def next_pending(self, limit: int = 1) -> list[Job]: ...
+
+    def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[Job]: ...
+
+    def set_job_state(self, job_id: int, state: JobState, *, error_code: str | None = None,
+                      error_message: str | None = None, pages_total: int | None = None,
+                      output_dir: Path | None = None, final_path: Path | None = None) -> None:
+        ...
+
+    def retry(self, job_id: int) -> bool: ...
+
+    def retry_all_failed(self) -> int: ...
+
+    def cancel(self, job_id: int) -> bool: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+    def init_pages(self, job_id: int, count: int) -> None: ...
+
+    # -- pages -----------------------------------------------------------------------
+
+    def pages(self, job_id: int) -> list[Page]: ...
+
+    def page(self, job_id: int, index: int) -> Page | None: ...
+
+    def claim_page(self, job_id: int, index: int) -> None: ...
+
+    def finish_page(self, job_id: int, index: int, *, result: dict[str, Any], width: int,
+                    height: int, seconds: float) -> None: ...
+
+    def fail_page(self, job_id: int, index: int, error: str) -> None: ...
+
+    def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None: ...
+
+    def release_all_in_flight(self) -> int: ...
+
+    def pages_done_since(self, t: float) -> int: ...
+
+    def page_counts(self) -> dict[str, int]: ...
+
+    # -- learned profiles (per host: they are per GPU) --------------------------------
+
+    def save_learned_profile(self, key: str, profile: dict[str, Any]) -> None: ...
+
+    def load_learned_profile(self, key: str) -> dict[str, Any] | None: ...
+
+    def learned_profile_saved_at(self, key: str) -> float | None: ...
