@@ -241,4 +241,3 @@ class Store:
     def learned_profile_saved_at(self, key: str) -> float | None:
         """Wall-clock time the learned profile for ``key`` was last saved, or ``None``."""
         return self._profiles.saved_at(key)
-
