@@ -1,4 +1,4 @@
-"""Benchmark: how fast the store accepts a 10,000-file backlog (SPEC §9).
+"""Benchmark: how fast the store accepts a 10,000-file backlog (bench/README.md).
 
 Runs on a real SQLite file in a temporary state dir (or ``--state-dir``), with the
 store's real durability settings (WAL, synchronous=FULL). Reports accepts/s one

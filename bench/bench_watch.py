@@ -1,4 +1,4 @@
-"""Benchmark: a 10,000-file backlog through the folder watcher (SPEC §9).
+"""Benchmark: a 10,000-file backlog through the folder watcher (bench/README.md).
 
 Two figures per watch mode (inotify, poll), on real files in a temporary folder:
 - start-up backlog: files already there (older than settle_seconds) → time from

@@ -13,7 +13,7 @@ pages done. Without ``--py-spy`` only the totals are measured.
 ``--hold N`` makes the stand-in behave like a full engine: it answers only once it holds
 N requests (or no new one came for 1 s), so the daemon keeps about N in flight plus its
 rendered pages waiting, as against a GPU; the daemon's own high-water mark
-(``daemon_vmhwm_mb``) is then the figure to compare with SPEC §9's 200 MB.
+(``daemon_vmhwm_mb``) is then the figure to compare with the 200 MB target (bench/README.md).
 
 Also writes a digest of every output file (``--digest FILE``) with the run-dependent
 metadata fields blanked, so two runs (before/after a change) can be compared for

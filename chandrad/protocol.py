@@ -1,4 +1,4 @@
-"""The control-socket wire format, shared by the daemon and ``chandractl`` (SPEC §6).
+"""The control-socket wire format, shared by the daemon and ``chandractl``.
 
 Owns the protocol version, the command table (name → tier and argument schema),
 and encoding/decoding of newline-delimited JSON frames with a size limit::

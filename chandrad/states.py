@@ -14,7 +14,7 @@ S = TypeVar("S", bound=StrEnum)
 
 
 class EngineState(StrEnum):
-    """SPEC §4.1 engine states."""
+    """Engine states (docs/operations.md, Engine states)."""
 
     STOPPED = "stopped"
     FETCHING = "fetching"  # the model's weights are downloaded before the engine starts

@@ -1,6 +1,6 @@
 """systemd integration: the sd_notify protocol and the progress-gated watchdog.
 
-Owns everything chandrad says to the service manager over ``$NOTIFY_SOCKET`` (SPEC §7):
+Owns everything chandrad says to the service manager over ``$NOTIFY_SOCKET`` (docs/systemd.md):
 ``READY=1``, ``STATUS=``, ``RELOADING=1`` + ``MONOTONIC_USEC``, ``STOPPING=1``,
 ``EXTEND_TIMEOUT_USEC=``, ``WATCHDOG=1``/``WATCHDOG=trigger``. The wire format is one
 ``AF_UNIX``/``SOCK_DGRAM`` datagram per message (``@`` = abstract namespace), encoded as

@@ -1,4 +1,4 @@
-"""Watched input folders: observers, settle tracking, ignore rules, scans (SPEC §5).
+"""Watched input folders: observers, settle tracking, ignore rules, scans.
 
 Owns the watchdog observers (inotify, or polling on network filesystems and when
 inotify runs out of watches/instances), the decision "this file has finished
@@ -527,7 +527,7 @@ class FolderWatcher:
 
         A new candidate is stat'ed once halfway through its settle time, so that the stat
         confirming it unchanged comes at the settle time itself, not a tick later; the
-        loop sleeps until then (issue 11: a file reaches the engine within settle + 0.3 s).
+        loop sleeps until then (a file reaches the engine within settle + 0.3 s).
         """
         now = time.monotonic()
         due: list[tuple[Path, int, int]] = []

@@ -108,7 +108,8 @@ def _with_figures(requested: str, unallocated: str) -> str:
     ],
 )
 def test_fragmentation_thresholds(requested: str, unallocated: str, expected: FailureClass) -> None:
-    """Fragmentation follows SPEC §4.2: U >= R and U >= 256 MiB, or U >= 1 GiB, in any unit."""
+    """Fragmentation (docs/operations.md, Failure classes): U >= R and U >= 256 MiB, or
+    U >= 1 GiB, in any unit."""
     assert classify(_with_figures(requested, unallocated)).cls is expected
 
 

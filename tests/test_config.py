@@ -55,7 +55,7 @@ def test_minimal_config_gets_every_default(tmp_path: Path) -> None:
 
 
 def test_documented_chandra_defaults() -> None:
-    """The defaults SPEC §3 names: Chandra's render limits, formats, auto batching."""
+    """The documented defaults: Chandra's render limits, formats, auto batching."""
     ocr = config.OcrConfig()
     assert (ocr.min_side_px, ocr.max_pixels, ocr.prompt_type) == ("auto", 6291456, "ocr_layout")
     assert ocr.formats == ("md", "html", "json")

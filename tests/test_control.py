@@ -83,7 +83,7 @@ def test_socket_node_has_configured_mode_and_group(tmp_path: Path) -> None:
 
 
 def test_default_mode_is_0660(tmp_path: Path) -> None:
-    """Without a mode the socket is 0660 (SPEC §6)."""
+    """Without a mode the socket is 0660."""
     path = tmp_path / "control.sock"
     with ServerThread(path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660

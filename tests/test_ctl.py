@@ -101,7 +101,7 @@ def test_every_daemon_command_reaches_the_daemon(server: ServerThread) -> None:
 
 
 def test_status_json_is_the_versioned_result(server: ServerThread) -> None:
-    """``status --json`` prints the result object alone, with v and SPEC §2 keys."""
+    """``status --json`` prints the result object alone, with v and the documented keys."""
     proc = ctl(server.path, "status", "--json")
     assert proc.returncode == 0
     doc = json.loads(proc.stdout)

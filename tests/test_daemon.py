@@ -158,7 +158,7 @@ def test_file_still_being_written_is_not_taken_early(
 
 
 def test_read_commands_answer_with_versioned_results(daemon: Daemon) -> None:
-    """status, queue, gpu and version over the real socket, in the shapes SPEC §2 names."""
+    """status, queue, gpu and version over the real socket, in the documented shapes."""
     status = daemon.ctl_json("status")
     assert status["v"] == 1
     assert {"state", "pid", "uptime_s"} <= set(status["daemon"])

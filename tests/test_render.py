@@ -42,7 +42,7 @@ MAX_PIXELS = 6291456
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-#: What each corpus file that must fail fails with (SPEC §5: refuse with a clear error).
+#: What each corpus file that must fail fails with (refused with a clear error).
 EXPECTED_FAILURE = {
     "bad/broken_truncated_scotus.pdf": errors.InputError,
     "bad/broken_encrypted-user-password_skew.pdf": errors.EncryptedInput,

@@ -250,7 +250,7 @@ def test_service_unit_exposure_is_reviewed_level(tmp_path: Path) -> None:
 
 
 def test_service_unit_has_the_contract_settings() -> None:
-    """The unit carries SPEC §7's settings and none of the ones that break CUDA."""
+    """The unit carries the settings docs/systemd.md names and none that break CUDA."""
     s = _unit_settings((UNIT_DIR / "chandrad.service").read_text())
     for key, value in {
         "Type": "notify",

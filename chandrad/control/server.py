@@ -1,4 +1,4 @@
-"""The control socket: an asyncio Unix stream server (SPEC §6).
+"""The control socket: an asyncio Unix stream server (docs/operations.md, Control protocol).
 
 Owns the socket node (safe replacement of a stale one, mode and group), the peer
 check per connection (``SO_PEERCRED``), framing limits (line size, read timeout) and

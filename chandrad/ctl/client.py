@@ -36,7 +36,7 @@ START_HINT = (
 
 
 def resolve_socket(option: str | None, environ: Mapping[str, str] = os.environ) -> Path:
-    """The socket to talk to (SPEC §2).
+    """The socket to talk to.
 
     ``--socket``, else ``$CHANDRAD_SOCKET``, else ``$RUNTIME_DIRECTORY/control.sock``
     (set when systemd runs us, e.g. as ``ExecReload=``), else the config's

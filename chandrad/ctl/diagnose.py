@@ -1,4 +1,4 @@
-"""``chandractl diagnose [FILE|-] [--json]``: classify pasted vLLM log text (SPEC §4.2).
+"""``chandractl diagnose [FILE|-] [--json]``: classify pasted vLLM log text.
 
 Owns reading the text (a file, or stdin for ``-``/None) and printing the verdict of
 :func:`chandrad.engine.classify.classify`; needs no daemon.

@@ -1,15 +1,15 @@
 """``chandractl logs``: read chandrad's journal back and say what happened and what to change.
 
-Owns the analysis of the structured entries that ``chandrad.logs`` writes (SPEC §7):
-it runs the real ``journalctl -o json`` (``-u UNIT`` or ``--file F``), keeps the entries
-with ``SYSLOG_IDENTIFIER=chandrad`` plus systemd's own messages about the unit, and
-reports engine failures by class over time, profile changes with their reasons,
-restarts, failed files, pages per hour and recommendations — as text or as the
-versioned JSON object ``{"v": 1, ...}``. Engine events carry ``CHANDRA_ENGINE`` (the
+Owns the analysis of the structured entries that ``chandrad.logs`` writes
+(docs/operations.md, Journal): it runs the real ``journalctl -o json`` (``-u UNIT`` or
+``--file F``), keeps the entries with ``SYSLOG_IDENTIFIER=chandrad`` plus systemd's own
+messages about the unit, and reports engine failures by class over time, profile changes
+with their reasons, restarts, failed files, pages per hour and recommendations — as text or
+as the versioned JSON object ``{"v": 1, ...}``. Engine events carry ``CHANDRA_ENGINE`` (the
 replica id, engine/replicas.py); one without it (a single-engine daemon from before
 replicas) counts as engine ``"0"``. ``"engines"`` sums failures, restarts and the last
-failure per engine; the text report prints that summary only when the journal holds
-more than one engine, so a single-engine report reads as it always did.
+failure per engine; the text report prints that summary only when the journal holds more
+than one engine, so a single-engine report reads as it always did.
 
 chandrad writes the same events in three shapes, all read here: native journal fields
 (``log_format = "journal"``); JSON lines on stderr that journald stores as ``MESSAGE``

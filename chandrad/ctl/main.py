@@ -1,4 +1,4 @@
-"""``chandractl``: the operator's command line for a running chandrad (SPEC §2, §6).
+"""``chandractl``: the operator's command line for a running chandrad (README.md, Commands).
 
 Owns the argument parser, the mapping of subcommands to control commands, and the
 one place where exceptions become LSB exit statuses (``errors.CtlExit``: 0 ok,

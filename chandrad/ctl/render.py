@@ -167,7 +167,7 @@ def _engine_place(e: dict[str, Any]) -> str:
 
 
 def engine_blocks(r: dict[str, Any]) -> list[Block]:
-    """Every engine (issue 12), when there is more than one."""
+    """Every engine, when there is more than one."""
     engines = [e for e in r.get("engines") or [] if isinstance(e, dict)]
     if len(engines) < 2:
         return []

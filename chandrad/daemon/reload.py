@@ -1,7 +1,7 @@
 """Reload: re-read the config and apply it to the running daemon, or refuse it.
 
 One reload at a time, as a task beside the main loop (its flag check can take minutes; the
-loop keeps ticking and feeding systemd's watchdog meanwhile, issue 16 #5); requests that
+loop keeps ticking and feeding systemd's watchdog meanwhile); requests that
 arrive during one wait in order. An invalid config is refused and the old one stays.
 ``reload --wait`` returns once every engine restarted with new settings is ready, or fails
 after one engine stop + one start + :data:`RELOAD_WAIT_SLACK_S`.
@@ -62,7 +62,7 @@ class Reloader:
         """Start the next waiting reload as a task unless one is running.
 
         Not awaited by the main loop, so the loop keeps ticking (and pinging systemd's
-        watchdog) while the reload waits for vLLM's flag check (issue 16 #5).
+        watchdog) while the reload waits for vLLM's flag check.
         """
         if not self._waiting or (self._task is not None and not self._task.done()):
             return

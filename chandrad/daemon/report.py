@@ -92,7 +92,7 @@ def status_reply(daemon: Daemon) -> StatusReply:
                         "error": daemon.metrics_listener.error or None},
         },
         "tasks": daemon.tasks.snapshot(),
-        # "engine" is engine 0, kept for one release beside "engines" (issue 12).
+        # "engine" is engine 0, kept for one release beside "engines".
         "engine": engine.snapshot(),
         "engines": daemon.dispatcher.engine_snapshots() if daemon.dispatcher else [],
         "queue": queue_counts(daemon),

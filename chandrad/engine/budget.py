@@ -1,4 +1,4 @@
-"""The restart budget and backoff of one supervised engine (SPEC §4.1).
+"""The restart budget and backoff of one supervised engine (docs/operations.md, Engine states).
 
 Owns the failure times inside ``[engine.downshift] window`` (more than ``max_restarts``
 of them: ``fatal``), the exponential backoff before the next spawn (``backoff_initial``

@@ -1,4 +1,6 @@
-"""The SPEC §4.2 failure classifier: vLLM output lines + exit status → :class:`Diagnosis`.
+"""The failure classifier: vLLM output lines + exit status → :class:`Diagnosis`.
+
+The classes, their evidence and remedies: docs/operations.md, Failure classes.
 
 Pure: no I/O, no clock, no globals that change. Used by the engine supervisor
 (incrementally, through :class:`LineScanner`) and by ``chandractl diagnose``.
@@ -87,7 +89,7 @@ from enum import StrEnum
 
 
 class FailureClass(StrEnum):
-    """SPEC §4.2 failure classes."""
+    """The failure classes (docs/operations.md, Failure classes)."""
 
     CUDA_OOM_LOAD = "cuda_oom_load"
     KV_CACHE_INSUFFICIENT = "kv_cache_insufficient"

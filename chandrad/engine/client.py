@@ -100,7 +100,7 @@ class EngineClient:
         return [str(m.get("id")) for m in listed]
 
     async def is_ready(self, model: str) -> bool:
-        """SPEC §4.1 readiness: ``/health`` 200 and ``model`` listed in ``/v1/models``."""
+        """Ready: ``/health`` 200 and ``model`` listed in ``/v1/models``."""
         return await self.health() and model in await self.models()
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The vLLM engine command line, its environment, and its validation (SPEC §3.3).
+"""The vLLM engine command line, its environment, and its validation (docs/configuration.md).
 
 Owns turning an :class:`EngineConfig` plus a :class:`MemoryProfile` into the exact
 argv and environment of the engine child, and checking that argv with the installed
@@ -354,7 +354,8 @@ def _without(argv: list[str], option_names: set[str]) -> list[str]:
 
 
 def validate_engine_args(argv_tail: Sequence[str]) -> list[errors.ConfigProblem]:
-    """Check the engine flags with the installed vLLM's own parser (SPEC §3.3).
+    """Check the engine flags with the installed vLLM's own parser (docs/configuration.md,
+    `[engine]`).
 
     Returns one problem per unknown, obsolete, malformed or duplicated flag, each
     naming the flag and, for known obsolete knobs, the real mechanism. Prints

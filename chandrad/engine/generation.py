@@ -135,7 +135,7 @@ class SessionFile:
 
     async def reap(self, stop_timeout: float) -> None:
         """Stop an engine a previous daemon left behind: only processes that carry its
-        token, and only in the boot it was spawned in (issue 16 #1)."""
+        token, and only in the boot it was spawned in."""
         if self.path is None or not self.path.exists():
             return
         try:

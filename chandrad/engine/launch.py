@@ -1,4 +1,4 @@
-"""Chandra's own vLLM launch, as chandrad's default on a GPU (issue 10).
+"""Chandra's own vLLM launch, as chandrad's default on a GPU.
 
 Owns the facts of how Chandra's authors serve the model (chandra-ocr 0.2.0,
 ``chandra/scripts/vllm.py``): the flags that do not depend on the GPU, and the

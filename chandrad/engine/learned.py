@@ -6,7 +6,7 @@ model, the vLLM version *of the interpreter that runs the engine* (``engine.pyth
 not the daemon's own), the GPU model and count, the configured starting profile, the
 GPUs the engine may use (``engine.gpus``), ``extra_args`` (tensor parallel size, …),
 the engine's environment and command, the multimodal limits, and the ``[ocr]`` page
-budget (it sets how many tokens one page needs). Issue 16 #7.
+budget (it sets how many tokens one page needs).
 
 :func:`learned_key` is pure; :func:`vllm_version_of` asks an interpreter (a child
 process that reads package metadata; vLLM itself is never imported).

@@ -1,9 +1,9 @@
 """The memory-profile policy of one engine: which profile is in force and how it moves.
 
 Owns the downshift ladder's bookkeeping (the profiles stepped away from and why, never
-gone back to: issue 16 #4), the upshift probe of SPEC §4.3 (one step back up after
-``upshift_after`` stable seconds with a backlog; a failed probe reverts and pins), and
-the adoption of a learned profile. Pure: it decides and records; the supervisor logs,
+gone back to), the upshift probe (one step back up after ``upshift_after`` stable seconds
+with a backlog; a failed probe reverts and pins), and the adoption of a learned profile
+(docs/operations.md, The downshift ladder). Pure: it decides and records; the supervisor logs,
 spawns and saves. :func:`engine.profile.next_profile` is the ladder itself.
 """
 

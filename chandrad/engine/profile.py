@@ -1,4 +1,4 @@
-"""Memory profiles and the downshift ladder (SPEC §4.3).
+"""Memory profiles and the downshift ladder (docs/operations.md, The downshift ladder).
 
 Owns :class:`MemoryProfile` (the memory-related engine settings plus the page
 budget that goes with them) and the pure decision "given this failure, what is
@@ -172,7 +172,7 @@ def next_profile(
     gpu: GpuFacts | None = None,
     failed: FailedProfiles | None = None,
 ) -> Decision:
-    """One step down the ladder of SPEC §4.3 for failure class ``failure``.
+    """One step down the ladder (docs/operations.md, The downshift ladder) for ``failure``.
 
     Never returns to a profile in ``failed``: where the step leads to one, the ladder
     goes on from there as that profile's own failure directs (so 0.86 that ran out of

@@ -9,14 +9,13 @@ through the engine's session instead (and, after a daemon's death, through the r
 session, its leader's start time and their ``VLLM::`` names). So:
 
 * **stopping** an engine kills its session *and* every process that carries its token
-  (a descendant that left the session no longer escapes, issue 16 #8);
+  (a descendant that left the session does not escape);
 * **a session file left by a daemon that died** (``kill -9``, power loss) is trusted only
   as far as the token goes: after a reboot (another boot id), or for a pid that now
-  belongs to some other program, nothing carries the token and nothing is killed
-  (issue 16 #1);
+  belongs to some other program, nothing carries the token and nothing is killed;
 * **readiness** counts only if the socket listening on the engine's port belongs to one
   of the engine's own processes (``/proc/net/tcp`` inode → ``/proc/PID/fd``), never to a
-  foreign server that happens to answer on that port (issue 16 #6).
+  foreign server that happens to answer on that port.
 
 Why not a cgroup per engine or ``PR_SET_CHILD_SUBREAPER``: a cgroup needs a delegated,
 writable cgroup v2 subtree (systemd ``Delegate=yes``), which neither this test machine
