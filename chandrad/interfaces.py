@@ -74,8 +74,8 @@ class EngineTarget(Protocol):
 
 
 class EngineHandle(Protocol):
-    """What the pipeline may ask of the engine supervisor (one engine) or the dispatcher
-    (several: ``engine/dispatch.py``)."""
+    """What the pipeline may ask of the engines: the dispatcher (``engine/dispatch.py``),
+    the request gate over one or more supervised engines."""
 
     @property
     def state(self) -> EngineState: ...

@@ -15,11 +15,9 @@ from waiting import wait_until_async
 from chandrad.config import EngineConfig, OcrConfig
 from chandrad.daemon import NvmlProbe
 from chandrad.engine.client import SCHEDULER_SERIES, parse_metrics
-from chandrad.engine.supervisor import (
-    METRICS_IDLE_INTERVAL,
-    METRICS_INTERVAL,
-    EngineSupervisor,
-)
+from chandrad.engine.dispatch import Dispatcher
+from chandrad.engine.probe import METRICS_IDLE_INTERVAL, METRICS_INTERVAL
+from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.states import EngineState
 
 WINDOW_S = 7.0
@@ -52,7 +50,7 @@ def test_an_idle_engine_is_scraped_less_often_than_a_busy_one(tmp_path: Path) ->
             # after it, 2 s after the idle window ends.
             await asyncio.sleep(1.0)
             idle = await _scrapes_over(engine, WINDOW_S)
-            chat = asyncio.create_task(sup.chat({
+            chat = asyncio.create_task(Dispatcher([sup]).chat({
                 "model": "chandra", "max_tokens": 1,
                 "messages": [{"role": "user", "content": "hello"}]}))
             t0 = time.monotonic()

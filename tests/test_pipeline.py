@@ -30,6 +30,7 @@ from waiting import wait_until_async
 import chandrad.pipeline as pipeline_module
 from chandrad.config import Config, load_config
 from chandrad.daemon import NvmlProbe
+from chandrad.engine.dispatch import Dispatcher
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.outputs import move_to
 from chandrad.pipeline import Pipeline, sha256_file
@@ -210,7 +211,7 @@ async def running(config: Config, store: Store | None = None,
     store = store or Store.open(config.daemon.state_dir)
     engine = EngineSupervisor(config.engine, config.ocr, gpu=NvmlProbe(), profiles=store)
     pool = RenderPool(config.ocr.render_workers, timeout=render_timeout)
-    pipeline = Pipeline(config, store, engine, pool)
+    pipeline = Pipeline(config, store, Dispatcher([engine]), pool)
     engine_task = asyncio.create_task(engine.run())
     tasks = TaskSupervisor()
     tasks.start("intake", pipeline.intake_loop, quarantine=pipeline.quarantine)

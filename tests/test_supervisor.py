@@ -25,6 +25,7 @@ from waiting import wait_until_async
 
 from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConfig
 from chandrad.daemon import NvmlProbe
+from chandrad.engine.dispatch import Dispatcher
 from chandrad.engine.process import process_name, session_members
 from chandrad.engine.profile import MemoryProfile
 from chandrad.engine.supervisor import EngineSupervisor, FlagChecks
@@ -135,7 +136,7 @@ def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
         assert downshifted != sup.configured_profile
         assert downshifted.kv_cache_memory_bytes is not None
         assert downshifted.kv_cache_memory_bytes > 1_000_000
-        reply = await sup.chat(chat_body())
+        reply = await Dispatcher([sup]).chat(chat_body())
         assert reply["choices"]
         await wait_until_async(lambda: sup._stable, 30, "stable")
         assert sup.profile == downshifted and not sup.upshift_pinned  # no backlog, no probe
@@ -153,7 +154,7 @@ def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
                                "ready (learned)")
         timings["start_s"] = time.monotonic() - t0
         assert sup.restarts == 0 and sup.last_failure is None
-        reply = await sup.chat(chat_body())
+        reply = await Dispatcher([sup]).chat(chat_body())
         assert reply["choices"][0]["finish_reason"] in ("stop", "length")
         await kill9_restarts_without_orphans(sup, key_profile, timings)
 
@@ -191,7 +192,7 @@ async def kill9_restarts_without_orphans(
     # A kill -9 with no kernel OOM kill recorded is not host_oom: same profile.
     assert str(sup.last_failure.cls) == "other_fatal", sup.last_failure
     assert sup.profile == profile
-    reply = await sup.chat(chat_body())
+    reply = await Dispatcher([sup]).chat(chat_body())
     assert reply["choices"]
 
 

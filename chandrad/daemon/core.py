@@ -40,7 +40,7 @@ from chandrad.daemon.wiring import (
     open_store,
     plan_engines,
 )
-from chandrad.engine.dispatch import Dispatcher
+from chandrad.engine.dispatch import Dispatcher, engine_status
 from chandrad.engine.flagcache import FlagVerdictCache, flag_cache_dir
 from chandrad.engine.replicas import ReplicaSpec
 from chandrad.engine.supervisor import EngineSupervisor, FlagChecks
@@ -274,7 +274,8 @@ class Daemon:
         """The batch's task: feed the pipeline, then stop the daemon once all is finished."""
         assert self.batch is not None and self.pipeline is not None and self.store is not None
         assert self.engine is not None
-        await self.batch.run(self.pipeline, self.store, self.engine.snapshot,
+        engine = self.engine
+        await self.batch.run(self.pipeline, self.store, lambda: engine_status(engine),
                              lambda: self.queue.put(DaemonCommand.SHUTDOWN_NOW))
         self.tasks.let_finish("batch")
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from chandrad import PROTOCOL_VERSION, __version__
 from chandrad import gpu as nvml
+from chandrad.engine.dispatch import engine_status
 from chandrad.engine.learned import installed_vllm_version
 from chandrad.protocol import GpuReply, StatusReply
 from chandrad.states import DaemonState, EngineState
@@ -93,7 +94,7 @@ def status_reply(daemon: Daemon) -> StatusReply:
         },
         "tasks": daemon.tasks.snapshot(),
         # "engine" is engine 0, kept for one release beside "engines".
-        "engine": engine.snapshot(),
+        "engine": engine_status(engine),
         "engines": daemon.dispatcher.engine_snapshots() if daemon.dispatcher else [],
         "queue": queue_counts(daemon),
         "held": pipeline.held() if pipeline else {"count": 0, "jobs": []},
@@ -112,7 +113,7 @@ def status_reply(daemon: Daemon) -> StatusReply:
 def gpu_reply(daemon: Daemon) -> GpuReply:
     summary = nvml.gpu_summary()
     summary["engines"] = [{"id": e.engine_id, "pid": e.pid, "state": e.state.value,
-                           "gpus": e.snapshot()["gpus"], "cpus": e.cpus or None,
+                           "gpus": engine_status(e)["gpus"], "cpus": e.cpus or None,
                            "url": e.base_url} for e in daemon.engines]
     return summary
 

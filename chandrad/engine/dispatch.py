@@ -1,6 +1,10 @@
-"""The dispatcher: several supervised engines seen by the pipeline as one ``EngineHandle``.
+"""The dispatcher: the request gate, one or more supervised engines seen by the pipeline as
+one ``EngineHandle``.
 
-Owns which engine each request goes to and what is outstanding on each. A request goes to
+Owns which engine each request goes to, what is outstanding on each and sending it: a
+request goes only to a ready engine, through that engine's ``InFlight``
+(``engine/inflight.py``), which its supervisor cuts when it fails the engine and reads for
+the hung-engine watch. A request goes to
 the ready engine with the most free capacity: its capacity (``max_num_seqs`` plus a small
 queue) minus the requests outstanding on it, minus ``vllm:num_requests_waiting`` from its
 ``/metrics`` when its supervisor has scraped one; ties go to the engine with fewer
@@ -27,7 +31,7 @@ from typing import Any
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import EngineUnavailable
 from chandrad.interfaces import ChatBody
-from chandrad.protocol import EngineStatus
+from chandrad.protocol import EngineStatus, FailureStatus
 from chandrad.states import EngineState
 
 #: States in which an engine is expected to serve again without an operator.
@@ -61,12 +65,10 @@ class Lease:
         return self.engine.max_model_len
 
     async def chat(self, body: ChatBody, timeout: float | None = None) -> dict[str, Any]:
-        reply = await self.engine.chat(body, timeout=timeout)
-        self.dispatcher.answered_by(self.engine.engine_id)
-        return reply
+        return await self.dispatcher.send(self.engine, body, timeout)
 
     def report_failure(self, reason: str, evidence: str = "") -> None:
-        self.engine.report_failure(reason, evidence)
+        report_failure(self.engine, reason, evidence)
 
 
 class Dispatcher:
@@ -155,6 +157,17 @@ class Dispatcher:
             eid = target.engine_id
             self.outstanding[eid] = max(0, self.outstanding[eid] - 1)
 
+    async def send(self, engine: EngineSupervisor, body: ChatBody,
+                   timeout: float | None = None) -> dict[str, Any]:
+        """One request to ``engine``, while it is ready. Raises ``EngineUnavailable`` when
+        it is not, when it cannot be reached, and when its supervisor fails it meanwhile
+        (the request is cut at once)."""
+        if engine.state is not EngineState.READY:
+            raise EngineUnavailable(f"engine is {engine.state.value}")
+        reply = await engine.requests.run(engine.probes.client.chat(body, timeout=timeout))
+        self.answered_by(engine.engine_id)
+        return reply
+
     def answered_by(self, engine_id: str) -> None:
         """``engine_id`` answered a request (for pages per minute and the balance)."""
         self.answered[engine_id] += 1
@@ -173,7 +186,7 @@ class Dispatcher:
 
     def report_failure(self, reason: str, evidence: str = "") -> None:
         for engine in self.engines:
-            engine.report_failure(reason, evidence)
+            report_failure(engine, reason, evidence)
 
     # ------------------------------------------------------------ status
     def pages_per_min(self, engine_id: str) -> float:
@@ -187,7 +200,7 @@ class Dispatcher:
         """``status``'s ``engines``: each engine's own snapshot plus its dispatch figures."""
         out = []
         for engine in self.engines:
-            snap = engine.snapshot()
+            snap = engine_status(engine)
             snap["in_flight"] = self.outstanding[engine.engine_id]
             snap["answered"] = self.answered[engine.engine_id]
             snap["pages_per_min"] = self.pages_per_min(engine.engine_id)
@@ -197,3 +210,52 @@ class Dispatcher:
     def snapshot(self) -> EngineStatus:
         """Engine 0's snapshot (the single ``engine`` object of ``status``)."""
         return self.engine_snapshots()[0]
+
+
+def report_failure(engine: EngineSupervisor, reason: str, evidence: str = "") -> None:
+    """A request to ``engine`` failed in a way that suggests it is sick: its supervisor
+    probes it now."""
+    engine.log.warning("engine_request_failed", reason=reason, evidence=evidence[:300])
+    engine.inbox.wake()
+
+
+def engine_status(engine: EngineSupervisor) -> EngineStatus:
+    """One engine in ``status``: its supervisor's state, profile, last failure, fetch."""
+    cfg, fetch = engine.engine, engine.fetch_child
+    failure: FailureStatus | None = None
+    if engine.last_failure is not None:
+        failure = {
+            "class": str(engine.last_failure.cls),
+            "evidence": engine.last_failure.evidence,
+            "action": engine.last_failure.action,
+            "subclass": engine.last_failure.subclass or None,
+            "numbers": engine.last_failure.numbers,
+            "at_wall": engine.last_failure_at,
+        }
+    return {
+        "id": engine.engine_id,
+        "state": engine.state.value,
+        "pid": engine.pid,
+        "restarts": engine.restarts,
+        "supervised": cfg.supervised,
+        "url": cfg.base_url,
+        "gpus": [g for g in cfg.gpus.split(",") if g and g.lower() != "all"],
+        "cpus": engine.cpus or None,
+        "model": cfg.model,
+        "served_model_name": cfg.served_model_name,
+        "state_for_s": round(time.monotonic() - engine.state_since, 1),
+        "profile": engine.profile.to_dict(),
+        "profile_source": engine.profile_source,
+        "profile_changes": [c.to_dict() for c in engine.profile_changes[-5:]],
+        "last_failure": failure,
+        "fatal_reason": engine.fatal_reason or None,
+        "backoff_s": round(engine.budget.delay, 1) if engine.state is EngineState.BACKOFF
+        else None,
+        "capacity": engine.capacity,
+        "fetch": None if fetch is None else {
+            "model": fetch.model, "pid": fetch.pid, "done": fetch.progress.done,
+            "total": fetch.progress.total},
+        "metrics": {k.removeprefix("vllm:"): v for k, v in engine.metrics.items()
+                    if k in ("vllm:num_requests_running", "vllm:num_requests_waiting")},
+    }
+
