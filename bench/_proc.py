@@ -12,11 +12,29 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: This checkout's root and the temporary directory, as result files must not name them.
+_ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+_TMP = tempfile.gettempdir().rstrip("/") + "/"
+
+
+def portable(value: Any) -> Any:
+    """``value`` (JSON-like) with no path of this machine in it: this checkout's root is
+    left out (paths become relative to the repository) and the temporary directory is
+    written ``$TMPDIR/``, so a committed result reads the same from any checkout."""
+    if isinstance(value, str):
+        return value.replace(_ROOT, "").replace(_TMP, "$TMPDIR/")
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v) for v in value]
+    return value
 
 
 def free_port() -> int:

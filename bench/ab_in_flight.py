@@ -232,7 +232,7 @@ def main() -> int:
                             for key in ("pages_per_s", "engine_cpu_s_per_page")}
                       for arm, runs in by_arm.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    args.out.write_text(json.dumps(_proc.portable(res), indent=2) + "\n")
     print(json.dumps(res["summary"], indent=2))
     return 0
 

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import _proc
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
 BEGIN = "<!-- results table: written by bench/reliability_table.py, do not edit -->"
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--doc", type=Path, default=DOC)
     args = p.parse_args(argv)
-    rows = [json.loads(line) for path in args.results
+    rows = [_proc.portable(json.loads(line)) for path in args.results
             for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     doc = args.doc.read_text(encoding="utf-8")
     if BEGIN not in doc or END not in doc:

@@ -304,7 +304,7 @@ def main() -> int:
     shutil.rmtree(root, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{when:%Y-%m-%d}-replicas.json"
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    out.write_text(json.dumps(_proc.portable(res), indent=2) + "\n")
     print(table(res))
     print(json.dumps(res, indent=2))
     log(f"written {out}")

@@ -1114,8 +1114,8 @@ def main() -> int:
     res["total_s"] = round(time.monotonic() - started, 1)
     summarize(res)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(res, sys.argv[1:]))
+    args.out.write_text(json.dumps(_proc.portable(res), indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(_proc.portable(markdown(res, sys.argv[1:])))
     print(table(res))
     print(json.dumps(res, indent=2))
     return 0
