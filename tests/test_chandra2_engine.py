@@ -6,7 +6,7 @@ One engine start for the module. vLLM's start-up lines about the hybrid model's 
 Mamba state are printed (``-s`` shows them) and the ones that prove the hybrid path is taken
 are asserted. The Mamba-cache start-up limit is not exercised: vLLM checks it only when it
 captures full CUDA graphs, which the CPU backend never does (its message tests stay in
-test_classify*).
+test_classify.py, and test_mamba_engine.py drives the daemon through it with the stand-in).
 """
 
 from __future__ import annotations
