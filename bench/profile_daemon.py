@@ -77,7 +77,7 @@ DAEMON_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("watch", ("chandrad/watch.py", "watchdog/")),
     ("control/status/metrics", ("chandrad/control/", "chandrad/metrics.py")),
     ("engine supervision", ("chandrad/engine/",)),
-    ("pipeline glue", ("chandrad/pipeline.py",)),
+    ("pipeline glue", ("chandrad/pipeline/",)),
     ("asyncio loop", ("asyncio/",)),
 ]
 WORKER_GROUPS: list[tuple[str, tuple[str, ...]]] = [

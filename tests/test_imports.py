@@ -40,7 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "chandrad.engine.command", "chandrad.engine.policy", "chandrad.engine.budget",
              "chandrad.engine.progress", "chandrad.engine.inflight", "chandrad.engine.inbox",
              "chandrad.engine.replicas",
-             "chandrad.ocr"),
+             "chandrad.ocr", "chandrad.pipeline.attempts", "chandrad.pipeline.limits"),
     "adapter": ("chandrad.engine.process", "chandrad.engine.session", "chandrad.engine.learned",
                 "chandrad.engine.flagcache",
                 "chandrad.engine.client", "chandrad.gpu",
@@ -53,6 +53,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.metrics"),
     "service": ("chandrad.engine.supervisor", "chandrad.engine.fetching",
                 "chandrad.engine.generation", "chandrad.engine.dispatch", "chandrad.pipeline",
+                "chandrad.pipeline.scheduler", "chandrad.pipeline.intake",
+                "chandrad.pipeline.jobs", "chandrad.pipeline.worker", "chandrad.pipeline.content",
                 "chandrad.engine.flagcheck", "chandrad.engine.probe", "chandrad.engine.spawn",
                 "chandrad.engine.keeper",
                 "chandrad.batch",
@@ -118,8 +120,9 @@ def _may_import(importer: str, imported: str) -> bool:
     if a == "adapter":
         return any(LAYER_OF.get(package) == "adapter" and imported.startswith(package + ".")
                    for package in (importer, importer.rsplit(".", 1)[0]))
-    if a == "service":
-        return importer.rsplit(".", 1)[0] == imported.rsplit(".", 1)[0] != "chandrad"
+    if a == "service":  # a package's modules, and its __init__ re-exporting them
+        package = imported.rsplit(".", 1)[0]
+        return package in (importer.rsplit(".", 1)[0], importer) and package != "chandrad"
     return False
 
 

@@ -25,6 +25,7 @@ from chandrad.engine.profile import GpuFacts
 from chandrad.engine.replicas import GpuSlot, ReplicaSpec, plan_replicas
 from chandrad.errors import ConfigError, ConfigProblem, MetricsListenFailed, StateDirInUse
 from chandrad.metrics import Metrics, MetricsServer, parse_listen
+from chandrad.pipeline import Settled
 from chandrad.store import Store
 from chandrad.watch import folder_problems
 
@@ -111,9 +112,9 @@ def watch_folder_problems(cfg: Config, *, create: bool) -> list[ConfigProblem]:
 
 
 def describe_item(item: Any) -> str:
-    """A task's item for logs and status: a job, or a settled file ``(index, root, path…)``."""
-    if isinstance(item, tuple) and len(item) >= 3:
-        return names.display(item[2])
+    """A task's item for logs and status: a job, or a settled file."""
+    if isinstance(item, Settled):
+        return names.display(item.path)
     job_id, path = getattr(item, "id", None), getattr(item, "abs_path", None)
     if job_id is not None and path is not None:
         return f"job {job_id} ({names.display(path)})"
