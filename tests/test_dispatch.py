@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 from standin_engine import write_standin
 from test_replicas_daemon import port_pair
 from test_supervision import GpuStandIn, engine_config
@@ -15,7 +17,9 @@ from waiting import wait_until_async as wait_for
 
 from chandrad.config import OcrConfig
 from chandrad.engine.dispatch import Dispatcher
+from chandrad.engine.inflight import InFlight
 from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.errors import EngineUnavailable
 from chandrad.states import EngineCommand, EngineState
 
 
@@ -66,5 +70,45 @@ def test_requests_spread_by_free_capacity_and_skip_an_engine_that_left_ready(
             for engine in engines:
                 await engine.shutdown()
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    asyncio.run(main())
+
+
+def test_inflight_cut_ends_requests_at_once_and_counts_answers() -> None:
+    """The gate's per-engine record (engine/inflight.py): a request the supervisor cuts
+    (the engine failed under it) raises EngineUnavailable at once; a caller cancelling its
+    own request is cancelled as usual; any answer, an error answer too, counts for the
+    hung-engine watch, a transport failure does not."""
+
+    async def main() -> None:
+        requests = InFlight()
+        never = asyncio.Event()
+
+        async def held() -> dict[str, Any]:
+            await never.wait()
+            return {}
+
+        async def answer(error: Exception | None = None) -> dict[str, Any]:
+            if error is not None:
+                raise error
+            return {"choices": []}
+
+        cut = asyncio.create_task(requests.run(held()))
+        mine = asyncio.create_task(requests.run(held()))
+        await asyncio.sleep(0)
+        assert requests.count == 2
+        mine.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await mine
+        requests.cut("engine failed under the request: failed")
+        with pytest.raises(EngineUnavailable, match="failed under the request"):
+            await asyncio.wait_for(cut, 1)
+        assert requests.count == 0 and requests.answered == 0
+        assert await requests.run(answer()) == {"choices": []}
+        with pytest.raises(ValueError):
+            await requests.run(answer(ValueError("400: prompt too long")))
+        with pytest.raises(EngineUnavailable):
+            await requests.run(answer(EngineUnavailable("connection refused")))
+        assert requests.answered == 2 and requests.count == 0
 
     asyncio.run(main())
