@@ -163,3 +163,20 @@ def test_layer_check_sees_every_form_of_import() -> None:
     assert not _may_import("chandrad.engine.process", "chandrad.engine.session")
     assert _may_import("chandrad.store.sqlite", "chandrad.store.jobs")
     assert _may_import("chandrad.engine.command", "chandrad.engine.profile")
+
+
+#: The pipeline package, top to bottom: each module imports only those after it, so the
+#: page worker and its attempts policy never reach back into the scheduler.
+PIPELINE_ORDER = ("scheduler", "intake", "jobs", "worker", "attempts", "limits", "content")
+
+
+def test_the_pipeline_package_imports_downwards() -> None:
+    bad = []
+    for rank, name in enumerate(PIPELINE_ORDER):
+        below = {f"chandrad.pipeline.{n}" for n in PIPELINE_ORDER[rank + 1:]}
+        for imported in _chandrad_imports(PACKAGE / "pipeline" / f"{name}.py"):
+            if imported.startswith("chandrad.pipeline") and imported not in below:
+                bad.append(f"chandrad.pipeline.{name} imports {imported}")
+    assert bad == []
+    modules = {p.stem for p in (PACKAGE / "pipeline").glob("*.py")} - {"__init__"}
+    assert modules == set(PIPELINE_ORDER), "place a new pipeline module in PIPELINE_ORDER"
