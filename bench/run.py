@@ -304,7 +304,7 @@ async def measure_engine_after(base: str, engine_sid: int, bodies: list[bytes],
     """Ceiling A again, at the sweep's best concurrency, right after chandrad's run: the
     host's speed drifts by 15-25 % over minutes here, so the ceiling that chandrad's rate
     is divided by is the mean of this and the sweep's best, one measured before chandrad
-    and one after (bench/README.md, "seventh pass")."""
+    and one after (bench/README.md, "What one run does")."""
     async with _engine_client(base, concurrency) as client:
         return await _saturate(client, bodies, concurrency, engine_sid)
 

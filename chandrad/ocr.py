@@ -309,8 +309,8 @@ def _encode_crop(name: str, image: Image.Image) -> bytes:
     if fmt == "JPEG" and image.mode not in ("RGB", "L"):
         image = image.convert("RGB")
     buf = io.BytesIO()
-    # WebP at Pillow's default quality (80) but encoder effort 0 instead of 4: a third of
-    # the CPU for files about a fifth larger (bench/README.md, "CPU per page").
+    # WebP at Pillow's default quality (80) but encoder effort 0 instead of 4: less CPU
+    # for somewhat larger files (the figures: bench/README.md, "Current figures").
     image.save(buf, format=fmt, **({"method": WEBP_METHOD} if fmt == "WEBP" else {}))
     return buf.getvalue()
 

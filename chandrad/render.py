@@ -495,7 +495,7 @@ def _die_with_parent() -> None:
 #: A light call (a PDF page without big images, a post-processing) takes its buffers (the
 #: pixmap, the PNG, the rows inflated for a crop: ~30 MB a page) from the heap, which keeps
 #: them for the next call: no fresh memory for the kernel to fault in and zero on every
-#: call, ~10 ms of CPU per page (bench/README.md, "sixth pass").
+#: call (what it saves per page: bench/README.md, "Current figures").
 _MMAP_THRESHOLD_LIGHT = 32 << 20
 #: A heavy call (an image page, a PDF page whose images decode to more than
 #: _BIG_PAGE_IMAGES_BYTES) starts from a trimmed heap and maps every buffer over this
@@ -592,8 +592,8 @@ def _worker_init(parent: int) -> None:
         os._exit(0)
     # PyMuPDF imports its optional companions when they are installed (chandra-ocr brings
     # them): ``pymupdf.layout`` builds two ONNX Runtime sessions and ``pymupdf4llm``
-    # imports onnxruntime and numpy; together ~90 MB of RSS and ~1 s of CPU per worker,
-    # for features rendering never uses (bench/README.md, "Render worker memory").
+    # imports onnxruntime and numpy: RSS and start-up CPU in every worker (bench/README.md,
+    # "Current figures") for features rendering never uses.
     # ``None`` in ``sys.modules`` makes those imports raise ImportError, which PyMuPDF
     # takes as "not installed".
     for optional in _PYMUPDF_EXTRAS:
@@ -607,10 +607,9 @@ def _worker_init(parent: int) -> None:
 
 #: glibc tunable a render worker starts with: malloc asks the kernel for transparent huge
 #: pages (``madvise``) on the memory it maps. A heavy page's large buffers are mapped and
-#: unmapped on every call (``_MMAP_THRESHOLD_HEAVY``, for the RSS target), as every
-#: page's were before the heap was kept (``_MMAP_THRESHOLD_LIGHT``); each 4 KiB of them
-#: was a page fault: ~8,300 faults and ~20 ms of system time per corpus page then, ~3,300
-#: and ~12 ms with it; the high-water mark is the same (bench/README.md, "fourth pass").
+#: unmapped on every call (``_MMAP_THRESHOLD_HEAVY``, for the RSS target); without huge
+#: pages each 4 KiB of them is a page fault. The high-water mark is the same either way; the
+#: faults and system time saved: bench/README.md, "Current figures".
 #: glibc reads tunables only when a process starts.
 WORKER_GLIBC_TUNABLE = "glibc.malloc.hugetlb=1"
 

@@ -845,8 +845,8 @@ def test_text_pages_reuse_the_workers_heap_instead_of_fresh_memory() -> None:
     for a crop: ~30 MB a page) come from a heap that it keeps between calls, so a page
     after the first few makes the kernel fault in almost no fresh memory: 6 minor faults
     per page here, against 2,048 when every such buffer was mapped and unmapped per call
-    and the heap trimmed after each (~4,000 per page over the corpus, ~10 ms of CPU;
-    bench/README.md, "sixth pass"). The heaviest pages keep their own test
+    and the heap trimmed after each (over the corpus: bench/README.md, "Current
+    figures"). The heaviest pages keep their own test
     (``test_a_worker_stays_within_its_memory_on_the_heaviest_corpus_pages``)."""
     from tiny_model import PLANTED_TEXT
 
