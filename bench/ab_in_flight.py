@@ -1,6 +1,6 @@
 """A/B of chandrad's request limit (``ocr.max_in_flight``) on the GPU shape, one engine.
 
-Issue 11: fed by chandrad, the engine spent 6-20 % more CPU per page than fed by the
+Fed by chandrad, the engine has spent 6-20 % more CPU per page than fed by the
 direct client at ``max_num_seqs`` in flight, and chandrad's default limit is the engine's
 capacity (``max_num_seqs`` + headroom, 80 for 64 seqs). This runs, on one engine, rounds
 of: chandrad with each limit in ``--limits`` (0 = the default) and the direct client at

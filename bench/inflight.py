@@ -1,4 +1,4 @@
-"""Requests in flight at the engine, seen from both sides (issue 11).
+"""Requests in flight at the engine, seen from both sides.
 
 vLLM 0.32's OpenAI server holds a chat request in three places before it is answered,
 and only the last is in its scheduler's gauges:
@@ -164,7 +164,7 @@ def _share(pairs: list[tuple[bool, float]]) -> float | None:
 def summary(samples: list[Sample], seqs: int, every: float) -> dict[str, Any]:
     """Time-weighted figures: the engine's two counts (mean, max, share of the time at
     ``seqs`` or more) and, with chandrad's, its requests in flight while rendered pages
-    waited (the share of that time with ``seqs`` or more: issue 11's target)."""
+    waited (the share of that time with ``seqs`` or more: the bench's target)."""
     weights = _weights(samples, every)
     rows = list(zip(samples, weights, strict=True))
     out: dict[str, Any] = {"samples": len(samples), "every_s": every, "seqs": seqs}

@@ -1,4 +1,4 @@
-"""Where the daemon process spends its CPU per page (issue 11), with the engine out of the way.
+"""Where the daemon process spends its CPU per page, with the engine out of the way.
 
 Owns one measurement: the real daemon (``python -m chandrad run``, its render workers)
 processes every file of ``tests/corpus/good/`` against a stand-in engine at the HTTP

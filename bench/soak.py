@@ -83,7 +83,7 @@ def backlog(root: Path, files: int, scale: float = 1.0) -> list[tuple[Path, str,
     under ``root``). It does not make the page cheaper: an image is rendered up to
     Chandra's 1536 px minimum side whatever its size, so the 0.25x copy (256x122) becomes
     the same 3220x1540 page as the original (1024x486, 3248x1540), at 0.125 rather than
-    0.106 render CPU-s and a 2.78 rather than 2.41 MB PNG (issue 8's measurement). Only
+    0.106 render CPU-s and a 2.78 rather than 2.41 MB PNG (measured on the corpus image). Only
     ``--max-pixels`` shrinks the work per page.
     """
     src = CORPUS / "good" / "image_hi-devanagari.png"
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["pages_done"] = done_pages
     result["pages_per_min"] = round(done_pages / wall * 60, 1)
     result["files_per_s"] = round(result["files_done"] / wall, 2)
-    # CPU per finished file, by process: where a backlog's time goes (issue 8).
+    # CPU per finished file, by process: where a backlog's time goes.
     result["cpu_s_per_file"] = {role: round(s / max(1, result["files_done"]), 4)
                                 for role, s in result["cpu_s"].items()}
     if stopped_early:
