@@ -35,8 +35,9 @@ read once at start, so that a test can change what the *next* generation does:
   ``import_error``, ``killed``, ``sleep:S``; the last repeats).
 * ``per_port``: overrides for the replica on that port (replica i listens on port + i).
 * ``delay_s``: seconds each page takes (default 0.2; 0 in a wrapper's).
-* ``hang_after``: N answered, the engine core hangs (vllm-project/vllm#39863, #7633): every
-  later request is accepted and never answered while ``/health`` still says 200;
+* ``hang_after``: the first N requests answered, the engine core hangs (vllm-project/vllm
+  #39863, #7633): every later request is accepted and never answered while ``/health``
+  still says 200;
   ``/metrics`` shows them waiting, none running, the token counters stand still, and
   vLLM's stats line says "Running: 0 reqs, Waiting: N reqs" every 10 s.
 * ``exit_after``: N answered, the API server shuts down as vLLM's does when its core died
@@ -276,6 +277,7 @@ class _Engine(EngineServer):
     answered: dict[str, int]
     gate_open: threading.Event
     completed: int
+    arrived: int
     hang_after: int | None
     exit_after: int | None
 
@@ -370,11 +372,14 @@ class _ChatHandler(EngineHandler):
                                      f"length is {limit} tokens and your request has {prompt} "
                                      f"input tokens ({max_tokens} > {limit} - {prompt})."))
                 return
-            if self.server.hang_after is not None \
-                    and self.server.completed >= self.server.hang_after:
-                with self.server.lock:
+            with self.server.lock:
+                self.server.arrived += 1
+                hangs = (self.server.hang_after is not None
+                         and self.server.arrived > self.server.hang_after)
+                if hangs:
                     self.server.running -= 1
                     self.server.waiting += 1
+            if hangs:
                 while True:  # a hung core: accepted, never answered
                     time.sleep(3600)
             gate = int(scenario.get("gate", 0))
@@ -593,7 +598,7 @@ def serve(scenario_path: Path | None, argv: list[str]) -> int:
     server.prompt_text_tokens = scenario.get("prompt_text_tokens")
     server.lock, server.answered = threading.Lock(), {}
     server.gate_open = threading.Event()
-    server.completed = 0
+    server.completed = server.arrived = 0
     server.hang_after = scenario.get("hang_after")
     server.exit_after = scenario.get("exit_after")
     if server.hang_after is not None:
