@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from chandrad import __version__, config, early, errors, systemd
 from chandrad.engine import command, launch, replicas
-from chandrad.engine.profile import MemoryProfile, initial_profile
+from chandrad.engine.profile import MemoryProfile, initial_profile, page_tokens
 
 _log = logging.getLogger("chandrad")
 
@@ -282,6 +282,7 @@ def _check_config(args: argparse.Namespace) -> int:
                                        cpus=first.cpus)
     problems = unit_problems + plan_problems + command.validate_engine_args(cmd.flags)
     problems += _model_problems(engine, path)
+    plan = _memory_plan(cfg, profile, cmd.env, sizing)
     warnings = _vllm_warnings(profile.chandra_launch)
     if preview and sizing is None:
         problems.append(errors.ConfigProblem(
@@ -295,6 +296,7 @@ def _check_config(args: argparse.Namespace) -> int:
                   f"{launch.chandra_gpu(gib)})")
     say(f"gpu memory: {memory}")
     say(f"starting profile: {json.dumps(_profile_summary(profile), sort_keys=True)}")
+    say(f"memory plan: {json.dumps(plan, sort_keys=True) if plan else 'model files not here'}")
     if len(specs) > 1:
         say(f"engines: {len(specs)} ({engine.layout})")
         for spec in specs:
@@ -315,6 +317,7 @@ def _check_config(args: argparse.Namespace) -> int:
         report = {
             "engine": {"argv": list(cmd.argv), "env": dict(sorted(cmd.env_added.items()))},
             "profile": _profile_summary(profile),
+            "plan": plan,
             "engines": [{"id": s.id, "url": s.url, "gpus": list(s.gpus), "cpus": s.cpus or None}
                         for s in specs],
             "gpu": None if sizing is None else {
@@ -348,6 +351,34 @@ def _unit_problems(cfg: config.Config, unit: Path | None, path: Path,
     if not problems:
         say(f"unit {unit}: every folder is writable in its sandbox; control group OK")
     return problems
+
+
+def _memory_plan(cfg: config.Config, profile: MemoryProfile, env: dict[str, str],
+                 sizing: Any) -> dict[str, Any] | None:
+    """The planner's breakdown (engine/planner.py) for the engine's first start, or None
+    when the model's config and weights are not on this host."""
+    model_files = importlib.import_module("chandrad.model_files")
+    planner = importlib.import_module("chandrad.engine.planner")
+    kwargs = cfg.engine.memory.mm_processor_kwargs
+    pixels = kwargs.get("max_pixels") if isinstance(kwargs.get("max_pixels"), int) else None
+    if pixels is None and profile.chandra_launch:  # Chandra's launch bounds the processor
+        pixels = launch.MM_PROCESSOR_KWARGS["max_pixels"]
+    shape = model_files.planner_shape(cfg.engine.model, pixels,
+                                      cache_dir=model_files.hub_cache_dir(env))
+    if shape is None:
+        return None
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    result = planner.plan_engine(
+        shape, cfg.engine.memory, profile, env=env,
+        gpu_total_bytes=None if sizing is None else sizing.memory_total,
+        gpu_free_bytes=None if sizing is None else sizing.memory_free,
+        cpu_avx512_bf16=planner.avx512_bf16(cpuinfo),
+        page_tokens=page_tokens(cfg.ocr.max_pixels, cfg.ocr.max_output_tokens))
+    plan: dict[str, Any] = result.as_dict()
+    return plan
 
 
 def _model_problems(engine: config.EngineConfig, path: Path) -> list[errors.ConfigProblem]:

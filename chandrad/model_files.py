@@ -2,7 +2,9 @@
 
 Owns finding one file of ``engine.model`` without downloading anything, and what
 chandrad reads from them: the image processor's patch size, from which the number of
-image tokens a page costs follows. Nothing here raises for a missing or unreadable
+image tokens a page costs follows, and for the memory plan (``engine/planner.py``) the
+``config.json``, the image processor's settings and the weights' bytes by dtype (from the
+safetensors headers only). Nothing here raises for a missing or unreadable
 file: that is "unknown" (``None``), and callers keep their conservative default.
 """
 
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from chandrad.engine import planner
 
 #: Where transformers keeps the image processor's settings (4.x, then 5.x's nested form).
 _PROCESSOR_FILES = (
@@ -74,6 +79,60 @@ def is_available(model: str, *, cache_dir: Path | None = None) -> bool:
     return all((config.parent / shard).is_file() for shard in shards)
 
 
+def model_config(model: str, *, cache_dir: Path | None = None) -> dict[str, Any] | None:
+    """``model``'s ``config.json``, or None when it is not on this host or unreadable."""
+    path = model_file(model, "config.json", cache_dir=cache_dir)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+#: A safetensors header larger than this is not one (the format's own limit is 100 MB).
+_MAX_HEADER = 100_000_000
+
+
+def weight_bytes(model: str, *, cache_dir: Path | None = None) -> dict[str, int] | None:
+    """Bytes of ``model``'s weights by safetensors dtype (``{"BF16": n, ...}``), read from each
+    shard's header only (8-byte length, then JSON with each tensor's ``data_offsets``).
+    None when a shard is missing or not safetensors."""
+    config = model_file(model, "config.json", cache_dir=cache_dir)
+    if config is None:
+        return None
+    index = config.with_name("model.safetensors.index.json")
+    try:
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                                .values()))
+        else:
+            shards = sorted(p.name for p in config.parent.glob("*.safetensors"))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    if not shards:
+        return None
+    totals: dict[str, int] = {}
+    for shard in shards:
+        try:
+            with (config.parent / shard).open("rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                if length > _MAX_HEADER:
+                    return None
+                header = json.loads(fh.read(length))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, tensor in header.items():
+            if name != "__metadata__" and isinstance(tensor, dict):
+                start, end = tensor["data_offsets"]
+                totals[tensor["dtype"]] = totals.get(tensor["dtype"], 0) + end - start
+    return totals
+
+
+def image_processor(model: str) -> dict[str, Any] | None:
+    """The image processor's settings of ``model`` (transformers 4.x or 5.x file), or None."""
+    return _image_processor(model)
+
+
 def _image_processor(model: str) -> dict[str, Any] | None:
     for filename, key in _PROCESSOR_FILES:
         path = model_file(model, filename)
@@ -106,3 +165,16 @@ def pixels_per_image_token(model: str) -> int | None:
     if not isinstance(patch, int) or not isinstance(merge, int) or patch <= 0 or merge <= 0:
         return None
     return (patch * merge) ** 2
+
+
+def planner_shape(model: str, max_pixels: int | None = None, *,
+                  cache_dir: Path | None = None) -> planner.ModelShape | None:
+    """``model``'s shape for the memory plan (config, processor, weight bytes), or None when
+    its config or weights are not on this host. ``max_pixels``: the engine's
+    ``mm_processor_kwargs`` bound, when it narrows the processor's."""
+    config = model_config(model, cache_dir=cache_dir)
+    weights = weight_bytes(model, cache_dir=cache_dir)
+    if config is None or weights is None:
+        return None
+    return planner.model_shape(config, sum(weights.values()), _image_processor(model),
+                               max_pixels)
