@@ -19,13 +19,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from control_harness import ServerThread
-from waiting import exited, wait_until
+from waiting import exited, holds_for, wait_until
 
 from chandrad import config as config_module
 from chandrad.ctl import client
@@ -153,8 +152,8 @@ def test_reload_wait_blocks_until_the_daemon_answers(server: ServerThread) -> No
                             stdout=subprocess.PIPE, text=True, cwd="/")
     wait_until(lambda: ("reload", {"wait": True}) in server.daemon.calls, 15, "reload called",
                every=0.05, gone=exited(proc))
-    time.sleep(0.3)
-    assert proc.poll() is None, "still waiting for the daemon"
+    holds_for(lambda: proc.poll() is None, 0.3, "chandractl still waiting for the daemon",
+              every=0.05)
     server.release()
     out, _ = proc.communicate(timeout=15)
     assert proc.returncode == 0

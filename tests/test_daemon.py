@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from conftest import corpus_manifest
 from daemon_harness import OCR_REAL_ENGINE, Daemon, drop, real_engine
+from waiting import holds_for
 
 from chandrad.engine.process import process_name, session_members
 
@@ -186,10 +187,13 @@ def test_pause_cancel_retry_resume(daemon: Daemon, corpus_dir: Path) -> None:
     name = "paused-brochure.pdf"
     drop(corpus_dir / "good/scan_two-column-brochure_linn.pdf", daemon.inbox, name)
     job = daemon.wait_job(name, "accepted while paused", 60)
-    time.sleep(3)
-    job = next(j for j in daemon.jobs() if j["id"] == job["id"])
-    assert job["pages_done"] == 0, "a page was dispatched while paused"
-    assert daemon.ctl_json("status")["daemon"]["state"] == "paused"
+
+    def nothing_dispatched() -> None:
+        now = next(j for j in daemon.jobs() if j["id"] == job["id"])
+        assert now["pages_done"] == 0, "a page was dispatched while paused"
+        assert daemon.ctl_json("status")["daemon"]["state"] == "paused"
+
+    holds_for(nothing_dispatched, 3, every=0.5)
 
     assert daemon.ctl_json("cancel", str(job["id"]))["cancelled"] == job["id"]
     err = json.loads((daemon.failed / f"{name}.error.json").read_text())
@@ -389,9 +393,12 @@ def test_drain_finishes_accepted_work_and_refuses_new(
     assert result["state"] == "drained"
     assert (daemon.done / name).exists()
     late = drop(corpus_dir / "good/image_hi-devanagari.png", daemon.inbox, "after-drain.png")
-    time.sleep(3)
-    assert late.exists()
-    assert not any(Path(j["path"]).name == "after-drain.png" for j in daemon.jobs())
+
+    def left_in_the_inbox() -> None:
+        assert late.exists()
+        assert not any(Path(j["path"]).name == "after-drain.png" for j in daemon.jobs())
+
+    holds_for(left_in_the_inbox, 3, every=0.5)
     assert daemon.ctl("rescan", check=False).returncode == 1
 
 

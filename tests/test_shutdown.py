@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from faults.faultkit import Daemon, drop, free_port, standin_engine
+from waiting import holds_for
 
 from chandrad.config import load_config
 from chandrad.daemon import Daemon as RealDaemon
@@ -92,8 +93,10 @@ def test_second_sigterm_escalates_the_drain(daemon: Daemon, corpus_dir: Path) ->
     d.proc.send_signal(signal.SIGTERM)
     d.wait_for("draining", lambda: (d.status() or {}).get("daemon", {}).get("state")
                == "stopping", 30, every=0.2)
-    time.sleep(1.0)
-    assert d.proc.poll() is None, "the first SIGTERM drains: pages are in flight"
+    proc = d.proc
+    holds_for(lambda: proc.poll() is None, 1.0,
+              "chandrad alive: the first SIGTERM drains, pages are in flight", every=0.1,
+              context=d.tail)
     code, seconds = _sigterm_and_time(d)
     assert code == 0, d.tail()
     assert seconds < 15, f"second SIGTERM to exit took {seconds:.1f} s\n{d.tail()}"

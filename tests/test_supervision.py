@@ -25,7 +25,7 @@ from typing import Any
 
 from standin_engine import events, write_standin
 from test_daemon_service import base_env, ctl, wait_answering, write_config
-from waiting import exited, wait_until, wait_until_async
+from waiting import exited, holds_for, wait_until, wait_until_async
 
 from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConfig
 from chandrad.engine.profile import GpuFacts, MemoryProfile
@@ -120,8 +120,8 @@ def test_stale_session_file_never_kills_an_unrelated_process(tmp_path: Path) -> 
                 await wait_until_async(lambda: not session.exists(), 10, "session file handled")
 
             supervise(sup, body, autostart=False)
-            time.sleep(0.3)
-            assert stranger.poll() is None, f"unrelated process killed for {content!r}"
+            holds_for(lambda: stranger.poll() is None, 0.3,
+                      f"the unrelated process alive for {content!r}", every=0.05)
     finally:
         stranger.kill()
         stranger.wait()
@@ -222,8 +222,8 @@ def test_kill9_daemon_next_start_stops_its_engine_and_setsid_children(
         assert len(left) == 2
         first.kill()
         first.wait()
-        time.sleep(0.5)
-        assert all(alive(p) for p in left), "the engine should outlive a kill -9'd daemon"
+        holds_for(lambda: all(alive(p) for p in left), 0.5,
+                  "the engine and its child outlive a kill -9'd daemon", every=0.1)
         second = start_daemon(config, log)
         wait_answering(sock, second, log)
         new_engine = wait_engine(sock, second, log, "ready")["engine"]["pid"]

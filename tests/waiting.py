@@ -63,15 +63,28 @@ async def wait_until_async(predicate: Callable[[], T], timeout: float, what: str
         await asyncio.sleep(every)
 
 
-def holds_for(check: Callable[[], object], seconds: float, *, every: float = 1.0) -> None:
-    """Run ``check`` (which asserts) every ``every`` s for ``seconds``: a condition that must
-    keep holding over a window, not one awaited (the first failed assertion fails the test)."""
-    end = time.monotonic() + seconds
+def holds_for(check: Callable[[], object], seconds: float, what: str | None = None, *,
+              every: float = 1.0, context: Callable[[], str] | None = None) -> float:
+    """Check that a condition keeps holding over a window of ``seconds`` (a negative check:
+    something must NOT happen), instead of one look after a fixed sleep.
+
+    ``check`` runs at once, every ``every`` s and once more at the end of the window; the
+    first violation fails the test there and then. With ``what``, ``check`` is a predicate
+    and any false value (``None`` included) is a violation, named by ``what`` with
+    ``context()``; without it, ``check`` asserts itself. Returns the seconds watched.
+    """
+    t0 = time.monotonic()
+    end = t0 + seconds
     while True:
-        check()
-        if time.monotonic() >= end:
-            return
-        time.sleep(every)
+        value = check()
+        now = time.monotonic()
+        if what is not None and not value:
+            text = (f"{what}: stopped holding after {now - t0:.1f} s of {seconds:g} s "
+                    f"(value: {value!r})")
+            raise AssertionError(f"{text}\n{context()}" if context is not None else text)
+        if now >= end:
+            return now - t0
+        time.sleep(min(every, end - now))
 
 
 def exited(proc: object) -> Callable[[], str | None]:
