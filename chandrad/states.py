@@ -1,5 +1,5 @@
-"""Engine, daemon, job and page states and their legal transitions; engine and daemon
-commands.
+"""Engine, daemon, pipeline, job and page states and their legal transitions; engine and
+daemon commands.
 
 Leaf module: stdlib only (Supervisor's rule for ``states.py``). String values,
 because they travel to the control socket and the journal in lower case.
@@ -98,6 +98,64 @@ class DaemonCommand(StrEnum):
     SHUTDOWN_NOW = "shutdown_now"
     #: SIGHUP or ``chandractl reload``: re-read the config.
     RELOAD = "reload"
+    #: ``chandractl pause``: send no new page to the engine (in-flight pages finish).
+    PAUSE = "pause"
+    #: ``chandractl resume``: dispatch again.
+    RESUME = "resume"
+    #: ``chandractl drain``: accept no new file, finish the accepted ones.
+    DRAIN = "drain"
+    #: ``chandractl cancel JOB``.
+    CANCEL = "cancel"
+    #: ``chandractl retry JOB|--failed``.
+    RETRY = "retry"
+    #: ``chandractl engine restart [ENGINE]``: handed to the engine supervisors' own queues.
+    ENGINE_RESTART = "engine_restart"
+
+
+class PipelineMode(StrEnum):
+    """What the pipeline may do now: accept files, start queued jobs, send pages.
+
+    The daemon's main loop is its only writer (``Pipeline.set_mode``), from the commands
+    ``pause``, ``resume``, ``drain`` and ``shutdown``.
+    """
+
+    RUNNING = "running"
+    #: No page is sent (requests at the engine finish); files are still accepted.
+    PAUSED = "paused"
+    #: No file is accepted; accepted jobs run to the end.
+    DRAINING = "draining"
+    #: No file is accepted and no queued job starts; the running jobs finish their pages.
+    STOPPING = "stopping"
+    #: Stopped while paused: nothing is accepted, started or sent.
+    STOPPING_PAUSED = "stopping_paused"
+
+    @property
+    def accepts_files(self) -> bool:
+        return self in (PipelineMode.RUNNING, PipelineMode.PAUSED)
+
+    @property
+    def starts_jobs(self) -> bool:
+        return self in (PipelineMode.RUNNING, PipelineMode.PAUSED, PipelineMode.DRAINING)
+
+    @property
+    def dispatches(self) -> bool:
+        return self in (PipelineMode.RUNNING, PipelineMode.DRAINING, PipelineMode.STOPPING)
+
+    def stopping(self) -> PipelineMode:
+        """The mode a stop moves to from this one (a pause stays in force)."""
+        paused = self in (PipelineMode.PAUSED, PipelineMode.STOPPING_PAUSED)
+        return PipelineMode.STOPPING_PAUSED if paused else PipelineMode.STOPPING
+
+
+PIPELINE_TRANSITIONS: dict[PipelineMode, frozenset[PipelineMode]] = {
+    PipelineMode.RUNNING: frozenset(
+        {PipelineMode.PAUSED, PipelineMode.DRAINING, PipelineMode.STOPPING}),
+    PipelineMode.PAUSED: frozenset(
+        {PipelineMode.RUNNING, PipelineMode.DRAINING, PipelineMode.STOPPING_PAUSED}),
+    PipelineMode.DRAINING: frozenset({PipelineMode.STOPPING}),
+    PipelineMode.STOPPING: frozenset(),
+    PipelineMode.STOPPING_PAUSED: frozenset(),
+}
 
 
 class JobState(StrEnum):

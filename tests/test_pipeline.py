@@ -32,10 +32,11 @@ from chandrad.config import Config, load_config
 from chandrad.daemon import NvmlProbe
 from chandrad.engine.dispatch import Dispatcher
 from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.errors import InternalError
 from chandrad.outputs import move_to
 from chandrad.pipeline import Pipeline, sha256_file
 from chandrad.render import RenderPool
-from chandrad.states import EngineState, JobState, PageState
+from chandrad.states import EngineState, JobState, PageState, PipelineMode
 from chandrad.store import Job, Store
 from chandrad.tasks import TaskSupervisor
 
@@ -274,12 +275,11 @@ def test_a_job_is_running_in_the_store_from_the_step_that_dispatches_it(
 
     async def body() -> None:
         async with running(config) as run:
-            run.pipeline.starting_jobs = False
+            run.pipeline.set_mode(PipelineMode.PAUSED)  # no job starts while they are accepted
             jobs = [accept(run.store, w, make_image(w.input / f"doc{i}.png", text=str(i)))
                     for i in range(12)]
             behind: list[int] = []
-            run.pipeline.starting_jobs = True
-            run.pipeline._wake.set()
+            run.pipeline.set_mode(PipelineMode.RUNNING)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 # Every turn of the loop: the jobs dispatched so far against the store.
@@ -370,9 +370,9 @@ def test_job_dispatched_just_before_its_watch_is_removed_goes_back_to_pending(
 
     async def body() -> None:
         async with running(with_c) as run:
-            run.pipeline.starting_jobs = False
+            run.pipeline.set_mode(PipelineMode.PAUSED)
             job = accept(run.store, c, make_image(c.input / "doc_c.png"), watch_index=1)
-            run.pipeline.starting_jobs = True
+            run.pipeline.set_mode(PipelineMode.RUNNING)
             run.pipeline._start_jobs()  # the dispatcher's step ...
             assert run.job(job.id).state is JobState.RUNNING
             run.pipeline.config = without_c  # ... then the reload's, as daemon/reload.py
@@ -854,7 +854,7 @@ def test_a_full_engine_has_half_a_batch_rendered_behind_it(tmp_path: Path,
 
 def test_a_pause_sends_no_page_that_was_waiting_for_a_request_slot(
         tmp_path: Path, standin: StandinEngine, corpus_dir: Path) -> None:
-    """``chandractl pause`` (``dispatching`` cleared): the requests already at the engine
+    """``chandractl pause`` (the pipeline's mode ``paused``): the requests already at the engine
     finish, but a rendered page still waiting for a request slot is not sent when a slot
     frees; it goes on resume, and the job completes. It used to be sent: the pause was
     checked only before the page queued for its slot."""
@@ -877,7 +877,7 @@ def test_a_pause_sends_no_page_that_was_waiting_for_a_request_slot(
                            lambda: pipeline.requests_in_flight == limit
                            and len(standin.requests()) == limit
                            and pipeline.pages_waiting >= 1, timeout=120)
-            pipeline.dispatching.clear()  # what the daemon's pause does
+            pipeline.set_mode(PipelineMode.PAUSED)  # what the daemon's pause does
             sent_at_pause = len(standin.requests())
             assert sent_at_pause == limit, standin.requests()
             await run.wait("the held requests answered",
@@ -887,10 +887,30 @@ def test_a_pause_sends_no_page_that_was_waiting_for_a_request_slot(
                 assert len(standin.requests()) == sent_at_pause, (
                     f"{len(standin.requests()) - sent_at_pause} pages sent while paused")
             standin.server.update(gate=0)
-            pipeline.dispatching.set()  # resume
+            pipeline.set_mode(PipelineMode.RUNNING)  # resume
             finished = await run.wait_finished(job.id, timeout=180)
             assert finished.state is JobState.DONE, finished
             assert len({e["sha256"] for e in standin.requests()}) == 15
+
+    run_async(body)
+
+
+def test_a_pipeline_mode_edge_that_states_forbids_raises(
+        tmp_path: Path, standin: StandinEngine) -> None:
+    """The mode has one writer and explicit edges: a drain is not resumed, a stop is final."""
+    config = write_config(tmp_path, standin, [folders(tmp_path, "w")])
+
+    async def body() -> None:
+        async with running(config) as run:
+            pipeline = run.pipeline
+            pipeline.set_mode(PipelineMode.DRAINING)
+            with pytest.raises(InternalError, match="draining -> running"):
+                pipeline.set_mode(PipelineMode.RUNNING)
+            assert pipeline.mode.value == "draining"  # unchanged
+            await pipeline.stop_jobs()
+            assert pipeline.mode is PipelineMode.STOPPING
+            with pytest.raises(InternalError, match="stopping -> draining"):
+                pipeline.set_mode(PipelineMode.DRAINING)
 
     run_async(body)
 

@@ -1,9 +1,10 @@
 """The daemon: wires every part from the config, owns the ``DaemonState`` machine, the
 one command queue and the main loop.
 
-Start-up → serve → drain → shutdown (uvicorn's shape). Signals and ``chandractl reload``
-feed the command queue (``daemon/queue``; gunicorn's arbiter: signal handlers only
-enqueue); the main loop takes each command, ticks the watchdog, re-raises a dead task.
+Start-up → serve → drain → shutdown (uvicorn's shape). Signals and every control command
+that changes state feed the command queue (``daemon/queue``; gunicorn's arbiter: signal
+handlers only enqueue); the main loop takes each command, ticks the watchdog, re-raises a
+dead task.
 The pieces around it, each with one owner: ``daemon/wiring`` (config → parts, config
 errors naming the key), ``daemon/report`` (status line and replies), ``daemon/controls``
 (``interfaces.DaemonControl`` for the control socket), ``daemon/reload`` and
@@ -169,6 +170,10 @@ class Daemon:
                         return
                     case DaemonCommand.RELOAD:
                         self.reloader.request(command)
+                    case (DaemonCommand.PAUSE | DaemonCommand.RESUME | DaemonCommand.DRAIN
+                          | DaemonCommand.CANCEL | DaemonCommand.RETRY
+                          | DaemonCommand.ENGINE_RESTART):
+                        await self.controls.apply(command)
                     case _:
                         assert_never(command.name)
             self.controls.check_drained()

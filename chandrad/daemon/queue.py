@@ -1,15 +1,18 @@
 """The daemon's one command queue (gunicorn's arbiter: signal handlers only enqueue).
 
-Signals, ``chandractl reload`` and an engine gone fatal with ``engine.exit_on_fatal`` put a
-``DaemonCommand`` here; only the main loop (and, while it drains, the SIGTERM drain) takes
-them. A command may carry a future that the one who asked waits on: it is always answered,
-with the result or with the refusal of a stopping daemon, never dropped.
+Signals, every control command that changes state (``pause``, ``resume``, ``drain``,
+``cancel``, ``retry``, ``reload``, ``engine restart``) and an engine gone fatal with
+``engine.exit_on_fatal`` put a ``DaemonCommand`` here; only the main loop (and, while it
+drains, the SIGTERM drain) takes them. A command may carry a future that the one who
+asked waits on: it is always answered, with the result or with the refusal of a stopping
+daemon, never dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from chandrad.errors import ControlError, ControlErrorCode
@@ -22,6 +25,8 @@ class Command:
 
     name: DaemonCommand
     done: asyncio.Future[dict[str, Any]] | None = None
+    #: The control request's arguments (``job_id``, ``wait``…), already checked.
+    args: Mapping[str, Any] = field(default_factory=dict)
 
     def answer(self, result: dict[str, Any]) -> None:
         if self.done is not None and not self.done.done():
@@ -48,8 +53,21 @@ class CommandQueue:
         self._queue: asyncio.Queue[Command] = asyncio.Queue()
 
     def put(self, name: DaemonCommand,
-            done: asyncio.Future[dict[str, Any]] | None = None) -> None:
-        self._queue.put_nowait(Command(name, done))
+            done: asyncio.Future[dict[str, Any]] | None = None,
+            **args: Any) -> None:
+        self._queue.put_nowait(Command(name, done, args))
+
+    async def ask(self, name: DaemonCommand, **args: Any) -> dict[str, Any]:
+        """Queue a command and wait for its result (or its ``ControlError``)."""
+        done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.put(name, done, **args)
+        return await done
+
+    def refuse_all(self) -> None:
+        """The daemon stops: answer every command still queued with the refusal."""
+        while not self._queue.empty():
+            command = self._queue.get_nowait()
+            command.refuse(command.name.value.replace("_", " "))
 
     async def next(self, tick: float) -> Command | None:
         """The next queued command, or None after ``tick`` seconds."""

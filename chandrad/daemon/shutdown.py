@@ -3,9 +3,11 @@
 SIGTERM stops intake and finishes the pages in flight while an engine can serve them, for
 at most :func:`drain_timeout`, asking systemd for more stop time at each tick; a second
 SIGTERM (or the engine going fatal with ``exit_on_fatal``) escalates, a reload that arrives
-meanwhile is refused. The shutdown then closes the socket, stops the tasks, the jobs and
-the engines within ``engine.stop_timeout`` + :data:`STOP_SLACK_S`, past which it logs what
-still ran and exits anyway; pages cut off go back to the queue for the next start.
+meanwhile is refused, the other control commands are answered as a stopping daemon
+answers them (``pause``, ``drain``: ``invalid_state``). The shutdown then closes the
+socket, stops the tasks, the jobs and the engines within ``engine.stop_timeout`` +
+:data:`STOP_SLACK_S`, past which it logs what still ran and exits anyway; pages cut off go
+back to the queue for the next start.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ async def drain_then_stop(daemon: Daemon) -> None:
     pipeline = daemon.pipeline
     assert pipeline is not None and daemon.engine is not None
     # Before the first await: no job may start while the reload is being cancelled.
-    pipeline.accepting = False
-    pipeline.starting_jobs = False  # finish what runs; the queue waits for the next start
+    # Finish what runs (a pause stays in force); the queue waits for the next start.
+    pipeline.set_mode(pipeline.mode.stopping())
     await daemon.reloader.cancel()
     daemon.set_state(DaemonState.STOPPING, "SIGTERM")
     daemon.notifier.stopping("draining: finishing accepted pages")
@@ -64,6 +66,8 @@ async def drain_then_stop(daemon: Daemon) -> None:
             continue
         if command.name is DaemonCommand.RELOAD:
             command.refuse("reload")
+        elif command.name not in (DaemonCommand.SHUTDOWN, DaemonCommand.SHUTDOWN_NOW):
+            await daemon.controls.apply(command)  # a stopping daemon's own answers
         else:  # a second SIGTERM (or the engine fatal with exit_on_fatal): stop now
             log.warning("shutdown_escalated", command=command.name.value,
                         active_jobs=pipeline.active_jobs,
@@ -78,6 +82,7 @@ async def drain_then_stop(daemon: Daemon) -> None:
 async def shutdown(daemon: Daemon) -> None:
     """Stop every part within the deadline, give unfinished pages back, close the store."""
     await daemon.reloader.cancel()
+    daemon.queue.refuse_all()
     if daemon.state is not DaemonState.STOPPING:
         daemon.set_state(DaemonState.STOPPING, "shutdown")
     daemon.notifier.stopping("stopping the engine")

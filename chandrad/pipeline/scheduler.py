@@ -39,6 +39,7 @@ from chandrad.errors import (
     CANCELLED_MESSAGE,
     ChandradError,
     InputError,
+    InternalError,
     OutputUnwritable,
     StoreFull,
 )
@@ -50,7 +51,7 @@ from chandrad.pipeline.limits import Limits
 from chandrad.pipeline.worker import PageWorker
 from chandrad.protocol import HeldJob, HeldStatus
 from chandrad.render import RenderPool
-from chandrad.states import JobState, PageState
+from chandrad.states import PIPELINE_TRANSITIONS, JobState, PageState, PipelineMode
 from chandrad.store import Job, Store
 from chandrad.tasks import cancel_and_wait
 
@@ -85,23 +86,42 @@ class Pipeline:
         self.store = store
         self.engine = engine
         self.render = render
-        self.dispatching = asyncio.Event()
-        self.dispatching.set()
-        #: False once the daemon is stopping: no queued job is started any more.
-        self.starting_jobs = True
-        self.accepting = True
+        self._mode = PipelineMode.RUNNING
+        #: Set while the mode dispatches: what the dispatch loop and the page worker wait on.
+        self._dispatching = asyncio.Event()
+        self._dispatching.set()
         self._config = config
         self.limits = Limits(self._request_limit, render.workers)
         self._room = StoreRoom()
         self._wake = asyncio.Event()
         self.intake = Intake(config, store, self._room, self._wake.set)
-        self.worker = PageWorker(config, store, engine, render, self.limits, self.dispatching)
+        self.worker = PageWorker(config, store, engine, render, self.limits, self._dispatching)
         self.jobs = JobRunner(config, store, engine, render, self.worker, self._wake.set)
         self._active: dict[int, asyncio.Task[None]] = {}
         self._active_paths: dict[int, Path] = {}
         self._backoff: dict[int, Backoff] = {}
         self._held_retry: dict[int, tuple[float, float]] = {}  # job -> (due, delay), monotonic
         self._store_wait: dict[int, float] = {}  # job -> retry due (monotonic): store full
+
+    @property
+    def mode(self) -> PipelineMode:
+        """What the pipeline may do now (accept, start jobs, send pages)."""
+        return self._mode
+
+    def set_mode(self, new: PipelineMode) -> None:
+        """The only writer of ``mode`` (the daemon's main loop calls it); an edge
+        ``PIPELINE_TRANSITIONS`` forbids is a bug."""
+        old = self._mode
+        if new is old:
+            return
+        if new not in PIPELINE_TRANSITIONS[old]:
+            raise InternalError(f"illegal pipeline mode {old.value} -> {new.value}")
+        self._mode = new
+        if new.dispatches:
+            self._dispatching.set()
+        else:
+            self._dispatching.clear()
+        self._wake.set()
 
     @property
     def config(self) -> Config:
@@ -140,7 +160,7 @@ class Pipeline:
     # ------------------------------------------------------------ intake
     def submit(self, watch_index: int, root: Path, path: Path, size: int, mtime: float) -> None:
         """A settled file from the watcher; accepted into the store by the intake loop."""
-        if self.accepting:
+        if self._mode.accepts_files:
             self.intake.submit(Settled(watch_index, root, path, size, mtime))
 
     async def intake_loop(self) -> None:
@@ -156,7 +176,7 @@ class Pipeline:
         """Start jobs oldest first (resumed running jobs, then held jobs whose retry is
         due, then pending ones), until cancelled."""
         while True:
-            await self.dispatching.wait()
+            await self._dispatching.wait()
             try:
                 self._start_jobs()
             except StoreFull as exc:  # the job was not marked running: it waits pending
@@ -193,7 +213,7 @@ class Pipeline:
                    if self._held_retry.get(j.id, (0.0, 0.0))[0] > now})
 
     def _start_jobs(self) -> None:
-        if not self.starting_jobs:
+        if not self._mode.starts_jobs:
             return  # stopping (SIGTERM): the jobs running finish, queued ones wait
         free = self._job_slots() - len(self._active)
         if free <= 0:
@@ -401,7 +421,7 @@ class Pipeline:
         """Cancel the jobs in progress and wait for them (the daemon stops); their pages in
         flight go back to the queue when the daemon releases them. A job that swallowed its
         cancellation is cancelled again (``chandrad.tasks.cancel_and_wait``)."""
-        self.starting_jobs = False
+        self.set_mode(self._mode.stopping())
         await cancel_and_wait(list(self._active.values()))
 
     async def cancel_job(self, job_id: int) -> bool:
