@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import MARK_ENV, SHARED_CACHE, Daemon, free_port
+from waiting import holds_for
 
 #: Milliseconds after exec at which the signal is sent (the issue's probe).
 DELAYS_MS = (0, 20, 50, 100, 200)
@@ -111,9 +112,10 @@ def test_sighup_while_reading_the_config_is_not_fatal(tmp_path: Path) -> None:
         with _reading_config(d) as release:
             assert d.proc is not None
             assert _disposition(d.proc.pid, signal.SIGHUP) == "caught"
-            d.proc.send_signal(signal.SIGHUP)
-            time.sleep(0.2)
-            assert d.proc.poll() is None, d.tail()
+            proc = d.proc
+            proc.send_signal(signal.SIGHUP)
+            holds_for(lambda: proc.poll() is None, 0.2, "chandrad alive after the SIGHUP",
+                      every=0.05, context=d.tail)
             release()
         d.wait_answering(60)
         d.wait_for("the early SIGHUP handled", lambda: _events(d, "config_reloaded"), 30)
@@ -132,9 +134,11 @@ def test_sigterm_while_reading_the_config_exits_zero(tmp_path: Path) -> None:
     try:
         with _reading_config(d) as release:
             assert d.proc is not None
-            d.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-            assert d.proc.poll() is None, d.tail()
+            proc = d.proc
+            proc.send_signal(signal.SIGTERM)
+            holds_for(lambda: proc.poll() is None, 0.2,
+                      "chandrad alive until it has read its config", every=0.05,
+                      context=d.tail)
             release()
         assert d.proc.wait(60) == 0, d.tail()
         assert "stopped by a signal before the daemon started" in d.tail()
