@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from chandrad import __version__, config, early, errors, systemd
 from chandrad.engine import command, launch, replicas
-from chandrad.engine.profile import MemoryProfile, initial_profile, page_tokens
+from chandrad.engine.profile import MemoryProfile, initial_profile
 
 _log = logging.getLogger("chandrad")
 
@@ -268,7 +268,7 @@ def _check_config(args: argparse.Namespace) -> int:
     gpus = gpu.preview_gpus(args.gpu_memory, args.gpus) if preview else _gpus_here()
     sizing = gpu.sizing_gpu(gpus, engine.gpus)
     gib = sizing.memory_total / 2**30 if sizing is not None else None
-    profile = initial_profile(engine.memory, gib)
+    profile, plan = _memory_plan(cfg, gib, sizing, {**os.environ, **engine.env})
     plan_problems: list[errors.ConfigProblem] = []
     try:  # the engines `run` would start here (engine/replicas.py); engine 0's command below
         specs = replicas.plan_replicas(engine, [
@@ -282,7 +282,6 @@ def _check_config(args: argparse.Namespace) -> int:
                                        cpus=first.cpus)
     problems = unit_problems + plan_problems + command.validate_engine_args(cmd.flags)
     problems += _model_problems(engine, path)
-    plan = _memory_plan(cfg, profile, cmd.env, sizing)
     warnings = _vllm_warnings(profile.chandra_launch)
     if preview and sizing is None:
         problems.append(errors.ConfigProblem(
@@ -353,32 +352,20 @@ def _unit_problems(cfg: config.Config, unit: Path | None, path: Path,
     return problems
 
 
-def _memory_plan(cfg: config.Config, profile: MemoryProfile, env: dict[str, str],
-                 sizing: Any) -> dict[str, Any] | None:
-    """The planner's breakdown (engine/planner.py) for the engine's first start, or None
-    when the model's config and weights are not on this host."""
-    model_files = importlib.import_module("chandrad.model_files")
-    planner = importlib.import_module("chandrad.engine.planner")
-    kwargs = cfg.engine.memory.mm_processor_kwargs
-    pixels = kwargs.get("max_pixels") if isinstance(kwargs.get("max_pixels"), int) else None
-    if pixels is None and profile.chandra_launch:  # Chandra's launch bounds the processor
-        pixels = launch.MM_PROCESSOR_KWARGS["max_pixels"]
-    shape = model_files.planner_shape(cfg.engine.model, pixels,
-                                      cache_dir=model_files.hub_cache_dir(env))
-    if shape is None:
-        return None
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    result = planner.plan_engine(
-        shape, cfg.engine.memory, profile, env=env,
+def _memory_plan(cfg: config.Config, gib: float | None, sizing: Any,
+                 env: dict[str, str]) -> tuple[MemoryProfile, dict[str, Any] | None]:
+    """The starting profile, from the planner's breakdown (engine/planning.py) when the
+    model's files are on this host (else today's ``auto``), and that breakdown."""
+    planning = importlib.import_module("chandrad.engine.planning")
+    profile = initial_profile(cfg.engine.memory, gib)
+    plan = planning.engine_plan(
+        cfg.engine, profile, cfg.ocr, env=env,
         gpu_total_bytes=None if sizing is None else sizing.memory_total,
-        gpu_free_bytes=None if sizing is None else sizing.memory_free,
-        cpu_avx512_bf16=planner.avx512_bf16(cpuinfo),
-        page_tokens=page_tokens(cfg.ocr.max_pixels, cfg.ocr.max_output_tokens))
-    plan: dict[str, Any] = result.as_dict()
-    return plan
+        gpu_free_bytes=None if sizing is None else sizing.memory_free)
+    if plan is None:
+        return profile, None
+    summary: dict[str, Any] = plan.as_dict()
+    return initial_profile(cfg.engine.memory, gib, plan), summary
 
 
 def _model_problems(engine: config.EngineConfig, path: Path) -> list[errors.ConfigProblem]:

@@ -56,7 +56,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.pipeline.scheduler", "chandrad.pipeline.intake",
                 "chandrad.pipeline.jobs", "chandrad.pipeline.worker", "chandrad.pipeline.content",
                 "chandrad.engine.flagcheck", "chandrad.engine.probe", "chandrad.engine.spawn",
-                "chandrad.engine.keeper",
+                "chandrad.engine.keeper", "chandrad.engine.planning",
                 "chandrad.batch",
                 "chandrad.control.server", "chandrad.control.handlers"),
     "daemon": ("chandrad.daemon", "chandrad.daemon.core", "chandrad.daemon.queue",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import Daemon, table
 
 from chandrad import model_files
 from chandrad.engine import planner
@@ -142,3 +143,30 @@ def test_check_config_json_shows_the_plan(tmp_path: Path, tiny_model_dir: Path) 
                 "state_bytes_per_seq", "max_num_seqs", "max_num_batched_tokens"):
         assert isinstance(plan[key], int), key
     assert plan["max_model_len"] == 4096 and plan["fits"] is True
+
+
+#: 4 MiB of KV cache holds 32 blocks of 128 tokens of the tiny model (1 KiB a token): 4096
+#: tokens, less than its max_position_embeddings (8192), vLLM's max_model_len when none is given.
+SMALL_KV = 4 << 20
+
+
+@pytest.mark.engine
+def test_auto_keys_start_from_the_plan_with_no_failed_start(
+        tmp_path: Path, tiny_model_dir: Path, free_port: Any) -> None:
+    """Keys left ``auto`` with a KV cache too small for the model's own length: vLLM alone
+    fails the first start ("max seq len 8192 ... larger than the maximum number of tokens
+    that can be stored in KV cache", then the ladder's downshift); from the plan the engine
+    starts once at max_model_len 3968 (31 usable blocks) and is ready, 0 restarts."""
+    engine: dict[str, Any] = {"model": tiny_model_dir, "served_model_name": "chandra",
+                              "port": free_port(), "startup_timeout": 600, "stop_timeout": 5,
+                              "stable_seconds": 1.0}
+    d = Daemon(tmp_path / "d", table("engine", engine) + table(
+        "engine.memory", {"kv_cache_memory_bytes": SMALL_KV, "enforce_eager": True}))
+    d.start()
+    try:
+        d.wait_engine_ready(600, every=1.0)
+        status = d.ctl_json("status")["engine"]
+    finally:
+        d.cleanup()
+    assert status["restarts"] == 0 and status["last_failure"] is None, status
+    assert status["profile"]["max_model_len"] == 3968, status["profile"]

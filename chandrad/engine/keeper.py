@@ -21,6 +21,7 @@ from chandrad.config import EngineConfig, MemoryConfig, OcrConfig
 from chandrad.engine.budget import RestartBudget
 from chandrad.engine.classify import Diagnosis
 from chandrad.engine.learned import learned_key, vllm_version_of
+from chandrad.engine.planning import engine_plan
 from chandrad.engine.policy import ProfileChange, ProfilePolicy
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile
 from chandrad.errors import StoreFull
@@ -62,21 +63,38 @@ class ProfileKeeper:
         #: Called with a change's failure class (or upshift reason) for the metrics.
         self.counted = counted
         #: The profile in force, the ladder's memory and the upshift probe.
-        self.policy = ProfilePolicy(self.initial(engine.memory, engine), engine.downshift)
+        self.policy = ProfilePolicy(self.initial(engine.memory, engine, ocr), engine.downshift)
         #: Failures in the window, the backoff, restarts so far.
         self.budget = RestartBudget(engine.downshift)
         #: The vLLM version of the interpreter that runs the engine (part of the learned key).
         self.vllm_version = vllm_version_of(engine.python or None) if engine.supervised else ""
         self.load(engine, ocr)
 
-    def initial(self, memory: MemoryConfig, engine: EngineConfig) -> MemoryProfile:
-        """``memory`` resolved for the GPU ``engine.gpus`` sizes from (``"auto"``)."""
+    def initial(self, memory: MemoryConfig, engine: EngineConfig, ocr: OcrConfig | None = None
+                ) -> MemoryProfile:
+        """``memory`` resolved for the GPU ``engine.gpus`` sizes from (``"auto"``), the keys
+        left ``"auto"`` from the memory plan (engine/planning.py) when the model is here;
+        the plan is logged when ``ocr`` is given (the keeper's own start and reload)."""
         facts = self.gpu.facts(engine.gpus)
-        return initial_profile(memory, facts.total_gib if facts else None)
+        gib = facts.total_gib if facts else None
+        profile = initial_profile(memory, gib)
+        if not engine.supervised:
+            return profile
+        plan = engine_plan(
+            engine, profile, ocr or OcrConfig(),
+            gpu_total_bytes=None if facts is None or facts.total_gib is None
+            else int(facts.total_gib * 2**30),
+            gpu_free_bytes=None if facts is None or facts.free_gib is None
+            else int(facts.free_gib * 2**30))
+        if plan is None:
+            return profile
+        if ocr is not None:
+            self.log.info("memory_plan", **plan.as_dict())
+        return initial_profile(memory, gib, plan)
 
     async def reconfigure(self, engine: EngineConfig, ocr: OcrConfig) -> None:
         """A reloaded ``[engine]``: start over from its profile (or the one learned for it)."""
-        self.policy.reset(self.initial(engine.memory, engine), engine.downshift)
+        self.policy.reset(self.initial(engine.memory, engine, ocr), engine.downshift)
         self.budget.downshift = engine.downshift
         if engine.supervised:
             self.vllm_version = await asyncio.to_thread(vllm_version_of, engine.python or None)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chandrad.config import DownshiftConfig, MemoryConfig
 from chandrad.engine import launch
 from chandrad.engine.classify import FailureClass
+
+if TYPE_CHECKING:
+    from chandrad.engine.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,15 @@ def auto_batching(gpu_total_gib: float | None) -> tuple[int, int] | None:
     return None if gpu_total_gib is None else launch.batching(gpu_total_gib)
 
 
-def initial_profile(memory: MemoryConfig, gpu_total_gib: float | None) -> MemoryProfile:
+def initial_profile(memory: MemoryConfig, gpu_total_gib: float | None,
+                    plan: Plan | None = None) -> MemoryProfile:
     """The configured starting profile with ``"auto"`` resolved.
 
     With a GPU, ``"auto"`` is Chandra's own launch (``engine/launch.py``) sized for
     ``gpu_total_gib``, the memory of the GPU the engine will use; without one it is
-    vLLM's default.
+    vLLM's default. A ``plan`` that fits (``engine/planner.py``, made with those as its
+    upper bounds) overrides ``"auto"`` ``max_model_len`` / ``max_num_seqs`` /
+    ``max_num_batched_tokens`` with what it says fits; the ladder stays the net.
     """
     gpu = gpu_total_gib is not None
     auto = auto_batching(gpu_total_gib)
@@ -87,6 +93,10 @@ def initial_profile(memory: MemoryConfig, gpu_total_gib: float | None) -> Memory
         util = launch.GPU_MEMORY_UTILIZATION if gpu else None
     if length == "auto":
         length = launch.MAX_MODEL_LEN if gpu else None
+    if plan is not None and plan.fits:
+        seqs = plan.max_num_seqs if memory.max_num_seqs == "auto" else seqs
+        tokens = plan.max_num_batched_tokens if memory.max_num_batched_tokens == "auto" else tokens
+        length = plan.max_model_len if memory.max_model_len == "auto" else length
     return MemoryProfile(
         gpu_memory_utilization=None if util is None else float(util),
         max_num_seqs=None if seqs is None else int(seqs),

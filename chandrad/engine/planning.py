@@ -1,0 +1,46 @@
+"""The memory plan of one engine on this host: ``engine/planner.py`` fed from the outside.
+
+Owns gathering the planner's inputs for an ``[engine]``: the model's shape from its files
+(``model_files``, the Hugging Face cache the engine reads), the engine's environment
+(``VLLM_CPU_KVCACHE_SPACE``), the CPU's flags (``/proc/cpuinfo``) and the GPU's memory given
+by the caller (NVML or ``check-config --gpu-memory``). ``None`` when the model's files are not
+on this host yet (first start before the fetch): callers keep today's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from chandrad import model_files
+from chandrad.config import EngineConfig, OcrConfig
+from chandrad.engine import launch, planner
+from chandrad.engine.profile import MemoryProfile, page_tokens
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def engine_plan(engine: EngineConfig, profile: MemoryProfile, ocr: OcrConfig, *,
+                gpu_total_bytes: int | None = None, gpu_free_bytes: int | None = None,
+                env: Mapping[str, str] | None = None) -> planner.Plan | None:
+    """The plan for ``engine`` started at ``profile`` (``"auto"`` resolved, the plan's upper
+    bounds); ``env`` is the engine's environment (default: this process's + ``engine.env``)."""
+    env = {**os.environ, **engine.env} if env is None else env
+    kwargs = engine.memory.mm_processor_kwargs
+    pixels = kwargs.get("max_pixels") if isinstance(kwargs.get("max_pixels"), int) else None
+    if pixels is None and profile.chandra_launch:  # Chandra's launch bounds the processor
+        pixels = launch.MM_PROCESSOR_KWARGS["max_pixels"]
+    shape = model_files.planner_shape(engine.model, pixels,
+                                      cache_dir=model_files.hub_cache_dir(env))
+    if shape is None:
+        return None
+    return planner.plan_engine(
+        shape, engine.memory, profile, env=env, gpu_total_bytes=gpu_total_bytes,
+        gpu_free_bytes=gpu_free_bytes, cpu_avx512_bf16=planner.avx512_bf16(_cpuinfo()),
+        page_tokens=page_tokens(ocr.max_pixels, ocr.max_output_tokens))
