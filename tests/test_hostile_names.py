@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import config_toml, table
 from waiting import exited, wait_until
 
 from chandrad import names
@@ -41,25 +42,11 @@ class Daemon:
         self.socket = root / "ctl.sock"
         self.log = root / "daemon.log"
         self.config = root / "chandrad.toml"
-        self.config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{self.inbox}"
-create_input = true
-output = "{root / 'output'}"
-done = "{root / 'done'}"
-failed = "{self.failed}"
-settle_seconds = 0.3
-
-[engine]
-url = "http://127.0.0.1:{port}"
-
-[control]
-socket = "{self.socket}"
-""")
+        self.config.write_text(config_toml(
+            state_dir=root / "state",
+            watch={"input": self.inbox, "create_input": True, "output": root / "output",
+                   "done": root / "done", "failed": self.failed, "settle_seconds": 0.3},
+            engine=table("engine", {"url": f"http://127.0.0.1:{port}"}), socket=self.socket))
         env = {k: v for k, v in os.environ.items()
                if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM")}
         with self.log.open("wb") as out:  # the daemon keeps its own copy

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from daemon_harness import config_toml, table
 from standin_engine import StandinServer, standin_server
 from test_pipeline import MODEL, Reply, make_image
 
@@ -70,30 +71,13 @@ def test_one_page_reaches_the_engine_within_settle_plus_300_ms(
     inbox.mkdir()
     sock = tmp_path / "control.sock"
     config = tmp_path / "chandrad.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{tmp_path / 'state'}"
-
-[[watch]]
-input = "{inbox}"
-create_input = true
-output = "{tmp_path / 'out'}"
-done = "{done}"
-failed = "{tmp_path / 'failed'}"
-settle_seconds = {SETTLE}
-
-[engine]
-url = "{standin.url}"
-served_model_name = "{MODEL}"
-model = "{MODEL}"
-
-[ocr]
-render_workers = 1
-min_side_px = 1024
-
-[control]
-socket = "{sock}"
-""")
+    config.write_text(config_toml(
+        state_dir=tmp_path / "state", log_format=None,
+        watch={"input": inbox, "create_input": True, "output": tmp_path / "out", "done": done,
+               "failed": tmp_path / "failed", "settle_seconds": SETTLE},
+        engine=table("engine", {"url": standin.url, "served_model_name": MODEL,
+                                "model": MODEL}),
+        ocr={"render_workers": 1, "min_side_px": 1024}, socket=sock))
     src = make_image(tmp_path / "src" / "page.png", 1120, 1400, "latency")
     log = tmp_path / "daemon.log"
     with log.open("ab") as out:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import config_toml, table
 from PIL import Image
 
 pytestmark = pytest.mark.engine
@@ -38,40 +39,19 @@ _OUTPUT = re.compile(r"Generated response (\S+): output: (.*), finish_reason: (\
 
 
 def _config(tmp_path: Path, model: Path, port: int, retries: int) -> str:
-    return f"""
-[daemon]
-state_dir = "{tmp_path / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{tmp_path / 'inbox'}"
-create_input = true
-settle_seconds = 0.5
-poll_interval = 0.2
-
-[ocr]
-min_side_px = 64
-formats = ["md", "json"]
-render_workers = 1
-max_output_tokens = 64
-retries = {retries}
-
-[engine]
-model = "{model}"
-served_model_name = "chandra"
-port = {port}
-startup_timeout = 600
-stop_timeout = 15
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-extra_args = ["--enable-log-requests", "--enable-log-outputs"]
-
-[engine.memory]
-max_num_seqs = 4
-enforce_eager = true  # no torch.compile warm-up (~16 s a start): not what this tests
-
-[control]
-socket = "{tmp_path / 'control.sock'}"
-"""
+    engine = table("engine", {
+        "model": model, "served_model_name": "chandra", "port": port, "startup_timeout": 600,
+        "stop_timeout": 15, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        "extra_args": ["--enable-log-requests", "--enable-log-outputs"]})
+    # enforce_eager: no torch.compile warm-up (~16 s a start): not what this tests
+    engine += table("engine.memory", {"max_num_seqs": 4, "enforce_eager": True})
+    return config_toml(
+        state_dir=tmp_path / "state",
+        watch={"input": tmp_path / "inbox", "create_input": True, "settle_seconds": 0.5,
+               "poll_interval": 0.2},
+        ocr={"min_side_px": 64, "formats": ["md", "json"], "render_workers": 1,
+             "max_output_tokens": 64, "retries": retries},
+        engine=engine, socket=tmp_path / "control.sock")
 
 
 def _events(log_path: Path) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import drop
+from daemon_harness import OCR_REAL_ENGINE, config_toml, drop, table
 from test_replicas_daemon import port_pair
 
 from chandrad.engine.session import EngineIdentity, stale_engine_pids
@@ -87,47 +87,22 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
     root = tmp_path_factory.mktemp("replicas")
     port = port_pair(free_port)
     config = root / "chandrad.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{root / 'inbox'}"
-create_input = true
-output = "{root / 'output'}"
-done = "{root / 'done'}"
-failed = "{root / 'failed'}"
-settle_seconds = 1.0
-poll_interval = 0.5
-
-[ocr]
-max_output_tokens = 48
-retries = 1
-request_timeout = 120
-
-[engine]
-model = "{tiny_model_dir}"
-port = {port}
-cpu_affinity = ["0", "1"]
-startup_timeout = 900
-stop_timeout = 5  # a kill -9'd replica's orphans wait out vLLM's worker grace (~14 s)
-stable_seconds = 5
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1", OMP_NUM_THREADS = "1" }}
-
-[engine.memory]
-gpu_memory_utilization = "auto"
-max_num_seqs = 4
-max_num_batched_tokens = "auto"
-max_model_len = 4096
-enforce_eager = true  # no torch.compile warm-up (~16 s a start, 3 starts): not what this tests
-
-[engine.downshift]
-backoff = [1, 5]
-
-[control]
-socket = "{root / 'run' / 'control.sock'}"
-""")
+    # stop_timeout 5: a kill -9'd replica's orphans wait out vLLM's worker grace (~14 s);
+    # enforce_eager: no torch.compile warm-up (~16 s a start, 3 starts): not what this tests.
+    engine = table("engine", {
+        "model": tiny_model_dir, "port": port, "cpu_affinity": ["0", "1"],
+        "startup_timeout": 900, "stop_timeout": 5, "stable_seconds": 5,
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}})
+    engine += table("engine.memory", {
+        "gpu_memory_utilization": "auto", "max_num_seqs": 4, "max_num_batched_tokens": "auto",
+        "max_model_len": 4096, "enforce_eager": True})
+    engine += table("engine.downshift", {"backoff": [1, 5]})
+    config.write_text(config_toml(
+        state_dir=root / "state",
+        watch={"input": root / "inbox", "create_input": True, "output": root / "output",
+               "done": root / "done", "failed": root / "failed", "settle_seconds": 1.0,
+               "poll_interval": 0.5},
+        ocr=OCR_REAL_ENGINE, engine=engine, socket=root / "run" / "control.sock"))
     log = root / "daemon.log"
     with log.open("ab") as out:  # the daemon keeps its own copy
         proc = subprocess.Popen(

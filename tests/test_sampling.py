@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import config_toml, table
 from PIL import Image
 from standin_engine import StandinServer, standin_server
 from waiting import exited, wait_until
@@ -77,29 +78,13 @@ def engine(tmp_path: Path) -> Iterator[StandinServer]:
 
 def _run_daemon(root: Path, port: int, free_port: Callable[[], int]) -> subprocess.Popen[bytes]:
     config = root / "chandrad.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{root / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{root / 'inbox'}"
-create_input = true
-settle_seconds = 0.5
-poll_interval = 0.2
-
-[ocr]
-retries = 3
-min_side_px = 64
-formats = ["md", "json"]
-render_workers = 1
-
-[engine]
-url = "http://127.0.0.1:{port}"
-
-[control]
-socket = "{root / 'control.sock'}"
-""", encoding="utf-8")
+    config.write_text(config_toml(
+        state_dir=root / "state",
+        watch={"input": root / "inbox", "create_input": True, "settle_seconds": 0.5,
+               "poll_interval": 0.2},
+        ocr={"retries": 3, "min_side_px": 64, "formats": ["md", "json"], "render_workers": 1},
+        engine=table("engine", {"url": f"http://127.0.0.1:{port}"}),
+        socket=root / "control.sock"), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
     with (root / "daemon.log").open("ab") as log:  # the child keeps its own copy
         return subprocess.Popen([sys.executable, "-m", "chandrad", "run", "--config",

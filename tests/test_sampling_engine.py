@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from daemon_harness import config_toml, table
 from PIL import Image
 
 from chandrad.render import render_page
@@ -51,38 +52,18 @@ def test_length_cut_page_is_kept_and_marked_truncated(
     rendered = render_page(tmp_path / "page.png", 0, 64, 6291456)
     max_model_len = _prompt_tokens(tiny_model_dir, rendered.png) + 2
     config = tmp_path / "chandrad.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{tmp_path / 'state'}"
-log_format = "json"
-
-[[watch]]
-input = "{inbox}"
-create_input = true
-settle_seconds = 0.5
-poll_interval = 0.2
-
-[ocr]
-min_side_px = 64
-formats = ["md", "json"]
-render_workers = 1
-
-[engine]
-model = "{tiny_model_dir}"
-served_model_name = "chandra"
-port = {free_port()}
-startup_timeout = 600
-stop_timeout = 15
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-
-[engine.memory]
-max_num_seqs = 4
-max_model_len = {max_model_len}
-enforce_eager = true  # no torch.compile warm-up (~16 s a start): not what this tests
-
-[control]
-socket = "{tmp_path / 'control.sock'}"
-""", encoding="utf-8")
+    engine = table("engine", {
+        "model": tiny_model_dir, "served_model_name": "chandra", "port": free_port(),
+        "startup_timeout": 600, "stop_timeout": 15, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+    # enforce_eager: no torch.compile warm-up (~16 s a start): not what this tests
+    engine += table("engine.memory", {"max_num_seqs": 4, "max_model_len": max_model_len,
+                                      "enforce_eager": True})
+    config.write_text(config_toml(
+        state_dir=tmp_path / "state",
+        watch={"input": inbox, "create_input": True, "settle_seconds": 0.5,
+               "poll_interval": 0.2},
+        ocr={"min_side_px": 64, "formats": ["md", "json"], "render_workers": 1},
+        engine=engine, socket=tmp_path / "control.sock"), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
     log_path = tmp_path / "daemon.log"
     with log_path.open("ab") as log:

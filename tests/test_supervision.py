@@ -162,9 +162,7 @@ def daemon_config(root: Path, python: Path, port: int, extra: str = "",
     engine = (f'model = "{model or python.parent}"\npython = "{python}"\nport = {port}\n'
               f'startup_timeout = 30\nstop_timeout = 5\nstable_seconds = 0.5\n{extra}\n'
               "[engine.downshift]\nbackoff = [0.2, 1.0]\n")
-    config = write_config(root, engine, root / "ctl.sock")
-    config.write_text(config.read_text().replace('log_format = "auto"', 'log_format = "json"'))
-    return config
+    return write_config(root, engine, root / "ctl.sock", log_format="json")
 
 
 def start_daemon(config: Path, log: Path, env: dict[str, str] | None = None
