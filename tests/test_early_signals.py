@@ -36,8 +36,16 @@ def _daemon(root: Path) -> Daemon:
     return Daemon(root, f'[engine]\nurl = "http://127.0.0.1:{free_port()}"\n')
 
 
+def _default_dispositions() -> None:
+    """What systemd gives a service: every signal at its default action (a test run under
+    ``nohup`` would otherwise hand the daemon an ignored SIGHUP across exec)."""
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _start(d: Daemon, preexec: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
-    """``chandrad run`` as the harness starts it (its own session, marked for cleanup)."""
+    """``chandrad run`` as the harness starts it (its own session, marked for cleanup),
+    with the signal dispositions systemd gives it."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM", "WATCHDOG_USEC")}
     env |= {MARK_ENV: d.marker, "CACHE_DIRECTORY": SHARED_CACHE}
@@ -45,7 +53,7 @@ def _start(d: Daemon, preexec: Callable[[], None] | None = None) -> subprocess.P
         d.proc = subprocess.Popen(
             [sys.executable, "-m", "chandrad", "run", "--config", str(d.config)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True, preexec_fn=preexec)
+            start_new_session=True, preexec_fn=preexec or _default_dispositions)
     return d.proc
 
 
