@@ -258,6 +258,7 @@ def test_service_unit_has_the_contract_settings() -> None:
         "KillMode": "mixed",
         "OOMPolicy": "continue",
         "RestartPreventExitStatus": "78",
+        "RestartForceExitStatus": "SIGHUP",
         "ExecReload": "/usr/local/bin/chandractl reload",
         "RuntimeDirectory": "chandrad",
         "StateDirectory": "chandrad",
