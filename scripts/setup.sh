@@ -10,10 +10,6 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CHANDRAD_VENV:-$REPO/.venv}"
 BASE_PYTHON="${CHANDRAD_PYTHON:-python3.11}"
 TORCH_VERSION="2.13.0"
-# PyPI's torchvision is a CUDA build; this one loads beside the CPU torch once its nms/qnms fake
-# registrations are guarded like its other ops (see the torchvision step). vLLM's Qwen3-VL /
-# Qwen3.5 module (chandra-ocr-2's architecture) imports torchvision unconditionally.
-TORCHVISION_VERSION="0.28.0"
 CPU_ONLY_CONFLICTS=(torchaudio torchcodec)
 export PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 
@@ -118,21 +114,8 @@ else
         done_step "none present"
     fi
 
-    step "torchvision==$TORCHVISION_VERSION beside the CPU torch"
-    if [[ "$(installed torchvision)" != "torchvision=$TORCHVISION_VERSION" ]]; then
-        "${PIP[@]}" install -q --no-deps "torchvision==$TORCHVISION_VERSION"
-    fi
-    # Its nms/qnms fake registrations are the only ones not guarded by _has_ops(): without the
-    # guard, import fails with "operator torchvision::nms does not exist". Idempotent.
-    TV_META="$("$VENV/bin/python" -I -c "import importlib.util as u
-print(u.find_spec('torchvision').submodule_search_locations[0])")/_meta_registrations.py"
-    sed -i -E 's/^@torch\.library\.register_fake\(("torchvision::q?nms")\)$/@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda f: f))/' \
-        "$TV_META"
-    if ! "$VENV/bin/python" -I -c "import torchvision, torchvision.transforms.v2" 2>/tmp/torchvision-import.err; then
-        cat /tmp/torchvision-import.err >&2
-        echo "[setup] import torchvision fails beside torch $TORCH_VERSION (patched $TV_META)" >&2
-        exit 1
-    fi
+    step "torchvision beside the CPU torch (scripts/cpu-torchvision.sh)"
+    bash "$REPO/scripts/cpu-torchvision.sh" "$VENV/bin/python"
     done_step "$(installed torchvision) imports"
 fi
 
