@@ -22,7 +22,7 @@ run() {
 
 # Test processes: two where there are two CPUs or more. A vLLM start-up is single-threaded
 # for most of its ~55 s, so on two CPUs the suite ran in 1,607 s instead of 2,016 s
-# (README, "Tests"). --dist loadfile keeps each file on one worker, so a module-scoped
+# (docs/testing.md). --dist loadfile keeps each file on one worker, so a module-scoped
 # engine or daemon is started once. PYTEST_WORKERS=0 runs it in one process.
 workers="${PYTEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}"
 parallel=()
