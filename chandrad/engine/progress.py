@@ -8,8 +8,9 @@ moves. Progress is any of:
 
 * a request of ours answered (any answer, an error included: the engine is alive);
 * vLLM's ``vllm:generation_tokens_total`` or ``vllm:prompt_tokens_total`` counter rose
-  (one long page decoding for minutes still generates tokens every step; both counters
-  exist in every vLLM version we serve, 0.6 to 0.34, under these names);
+  (one long page decoding for minutes still generates tokens every step; both are
+  Counters ``vllm:prompt_tokens``/``vllm:generation_tokens`` in ``vllm/v1/metrics/
+  loggers.py`` of 0.17.1, 0.32 and 0.34, exposed with Prometheus' ``_total``);
 * nothing in flight (an idle engine owes nothing).
 
 A counter that goes backwards (another engine process behind the same URL, a restart we
