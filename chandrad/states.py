@@ -45,6 +45,9 @@ ENGINE_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     ),
 }
 
+#: What takes an engine out of ``fatal``: nothing but an operator (the journal's hint and
+#: ``chandractl status`` say the same).
+ENGINE_FATAL_HINT = "fix the cause, then `chandractl engine restart` or `chandractl reload`"
 #: States in which an engine process may exist.
 ENGINE_HAS_PROCESS = frozenset({EngineState.STARTING, EngineState.READY, EngineState.STOPPING})
 #: States in which nothing runs and nothing will until a timer or an operator acts.

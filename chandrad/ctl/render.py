@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from chandrad.states import ENGINE_FATAL_HINT
+
 GIB = 1024**3
 Row = tuple[str, ...]
 
@@ -88,8 +90,7 @@ def _changes(changes: Any) -> str:
 # ----------------------------------------------------------------- views
 
 #: What ``status`` says an operator must do about a ``fatal`` engine (it waits for them).
-FATAL_ACTION = ("none until an operator acts: fix the cause, then `chandractl engine "
-                "restart` or `chandractl reload`")
+FATAL_ACTION = f"none until an operator acts: {ENGINE_FATAL_HINT}"
 
 
 def status_blocks(r: dict[str, Any]) -> list[Block]:

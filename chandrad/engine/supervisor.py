@@ -39,7 +39,7 @@ from chandrad.engine.spawn import Spawner
 from chandrad.errors import ConfigProblem, InternalError
 from chandrad.events import Event
 from chandrad.interfaces import Observer
-from chandrad.states import ENGINE_TRANSITIONS, EngineCommand, EngineState
+from chandrad.states import ENGINE_FATAL_HINT, ENGINE_TRANSITIONS, EngineCommand, EngineState
 
 log = structlog.get_logger("chandrad.engine")
 
@@ -407,7 +407,7 @@ class EngineSupervisor:
         self.fatal_reason = reason
         self._transition(EngineState.FATAL, reason)
         self.log.critical(Event.ENGINE_FATAL, reason=reason,
-                     hint="fix the cause, then `chandractl engine restart` or `chandractl reload`")
+                     hint=ENGINE_FATAL_HINT)
 
     def _enter_backoff(self) -> None:
         delay = self.budget.next_backoff()
