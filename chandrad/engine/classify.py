@@ -102,7 +102,8 @@ class FailureClass(StrEnum):
     #: Requests in flight and no progress for engine.progress_timeout (found by the
     #: supervisor, not in the engine's lines).
     ENGINE_HUNG = "engine_hung"
-    #: The engine exited without being asked to, whatever its status (0 included).
+    #: The engine exited with status 0 without being asked to and named no failure
+    #: (engine/generation.py; a non-zero status is other_fatal/exited).
     ENGINE_EXITED = "engine_exited"
     OTHER_FATAL = "other_fatal"
     NONE = "none"
