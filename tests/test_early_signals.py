@@ -14,6 +14,7 @@ launcher that blocks the signal across exec closes it (the last test).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 from daemon_harness import MARK_ENV, SHARED_CACHE, Daemon, free_port
@@ -90,6 +92,29 @@ def _events(d: Daemon, name: str) -> list[dict[str, object]]:
     return found
 
 
+def _open_fifo_writer(d: Daemon, timeout: float = 60.0) -> IO[str]:
+    """The config FIFO's write end, once the daemon has opened its read end. Opened
+    without blocking (ENXIO while nobody reads), so a daemon that dies before it reads
+    its config fails the test with its output instead of hanging it."""
+    assert d.proc is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(d.config, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+        else:
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "w")
+        if d.proc.poll() is not None:
+            pytest.fail(f"chandrad exited {d.proc.returncode} before reading its config\n"
+                        f"{d.tail()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"chandrad did not open its config in {timeout:.0f}s\n{d.tail()}")
+        time.sleep(0.01)
+
+
 @contextlib.contextmanager
 def _reading_config(d: Daemon) -> Iterator[Callable[[], None]]:
     """``chandrad run`` frozen while it reads its config: the config is a FIFO, and this
@@ -101,7 +126,7 @@ def _reading_config(d: Daemon) -> Iterator[Callable[[], None]]:
     d.config.unlink()
     os.mkfifo(d.config)
     _start(d)
-    with open(d.config, "w") as writer:  # returns once the daemon opened the read end
+    with _open_fifo_writer(d) as writer:
         def release() -> None:
             regular = d.config.with_suffix(".regular")
             regular.write_text(text)
