@@ -190,6 +190,14 @@ def test_progress_watch_judges_only_requests_that_wait() -> None:
     assert watch.stalled_for(500) == 0
 
 
+def test_progress_watch_with_timeout_0_measures_but_never_judges() -> None:
+    watch = ProgressWatch(timeout=0)
+    still = {"vllm:generation_tokens_total": 5.0}
+    assert watch.observe(0, in_flight=2, answered=0, metrics=still) is None
+    assert watch.observe(10_000, in_flight=2, answered=0, metrics=still) is None
+    assert watch.stalled_for(10_000) == 10_000
+
+
 def test_keep_alive_on_engine_death_never_reaches_the_engine() -> None:
     """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH keeps its API server up after the core
     died, hiding the failure: dropped from the daemon's environment, refused in

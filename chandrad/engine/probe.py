@@ -101,7 +101,7 @@ class Probes:
             self._last_metrics = now
         stall = self.progress.observe(time.monotonic(), in_flight=self.requests.count,
                                       answered=self.requests.answered, metrics=self.metrics)
-        if stall is not None and self.engine.progress_timeout > 0:
+        if stall is not None:
             return Diagnosis(
                 cls=FailureClass.ENGINE_HUNG, evidence=stall.evidence(),
                 numbers=stall.numbers(),

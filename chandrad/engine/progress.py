@@ -68,6 +68,8 @@ class ProgressWatch:
     """Feed it what the supervisor sees; it answers whether the engine hangs. One per
     engine generation (made when it becomes ready)."""
 
+    #: Seconds without progress that make a hang; 0 turns the judgement off (the stall is
+    #: still measured, for ``stalled_for``).
     timeout: float
     #: Since when the engine owes progress (None: nothing in flight).
     since: float | None = None
@@ -93,7 +95,7 @@ class ProgressWatch:
         if moved or self.since is None:
             self.since = now
             return None
-        if now - self.since < self.timeout:
+        if self.timeout <= 0 or now - self.since < self.timeout:
             return None
         return Stall(seconds=now - self.since, in_flight=in_flight, counters=counters,
                      running=metrics.get("vllm:num_requests_running"),
