@@ -203,6 +203,29 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ApiConfig:
+    """The HTTP job API (``chandrad/api/``). Off unless ``enabled``; loopback by default."""
+
+    enabled: bool = False
+    listen: str = "127.0.0.1:9479"
+    #: ``NAME TOKEN [admin]`` per line; required when enabled; refused if world-readable
+    #: (checked when the API starts: ``chandrad/api/tokens.py``).
+    tokens_file: Path | None = None
+    #: The HMAC-SHA256 key that signs webhooks; unset: callbacks are refused.
+    webhook_secret_file: Path | None = None
+    #: The largest upload, in bytes (413 above it).
+    max_upload: int = 256 << 20
+    #: Output formats a job lists and serves when its request names none.
+    formats: tuple[str, ...] = ("md", "html", "json")
+    #: The webhook URL of a job that names no ``callback_url``; "" = none.
+    callback_url: str = ""
+    #: What a second upload of content already queued or done does.
+    duplicates: str = "process"
+    #: Seconds a webhook is retried before it is given up (``webhook_undeliverable``).
+    webhook_deadline: float = 86400.0
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     daemon: DaemonConfig
@@ -211,6 +234,18 @@ class Config:
     engine: EngineConfig
     control: ControlConfig
     metrics: MetricsConfig = MetricsConfig()
+    api: ApiConfig = ApiConfig()
+
+    def api_watch(self) -> WatchConfig | None:
+        """The folders of the API's uploads, inside the state dir (``<state_dir>/api/``),
+        as the pipeline sees a watch: the input ``inbox`` (never watched: an upload is
+        accepted by the API itself), ``output``, ``done``, ``failed``. None when the API
+        is off."""
+        if not self.api.enabled:
+            return None
+        root = self.daemon.state_dir / "api"
+        return WatchConfig(input=root / "inbox", output=root / "output", done=root / "done",
+                           failed=root / "failed", duplicates=self.api.duplicates)
 
     def control_socket(self) -> Path:
         """``$RUNTIME_DIRECTORY/control.sock`` under systemd, else the config's."""
@@ -400,7 +435,7 @@ def parse_config(text: str, path: Path) -> Config:
         return _Reader(table, prefix, problems, loc, file)
 
     top = reader(raw, "")
-    for section in ("daemon", "watch", "ocr", "engine", "control", "metrics"):
+    for section in ("daemon", "watch", "ocr", "engine", "control", "metrics", "api"):
         top.seen.add(section)
     top.finish()
 
@@ -412,11 +447,12 @@ def parse_config(text: str, path: Path) -> Config:
         engine_raw, dict) else {})
     control = _control(reader(raw.get("control", {}), "control"), base)
     metrics = _metrics(reader(raw.get("metrics", {}), "metrics"))
+    api = _api(reader(raw.get("api", {}), "api"), base, ocr)
     _cross_checks(watches, problems, loc, file)
     if problems:
         raise ConfigError(problems)
     return Config(path=path, daemon=daemon, watch=tuple(watches), ocr=ocr, engine=engine,
-                  control=control, metrics=metrics)
+                  control=control, metrics=metrics, api=api)
 
 
 def _daemon(r: _Reader, base: Path) -> DaemonConfig:
@@ -695,15 +731,54 @@ def _control(r: _Reader, base: Path) -> ControlConfig:
 
 def _metrics(r: _Reader) -> MetricsConfig:
     d = MetricsConfig()
-    listen = r.get("listen", (str,), d.listen)
-    if listen:
-        host, sep, port = listen.rpartition(":")
-        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
-            r.problem("listen", f"{listen!r} is not host:port (\"\" turns metrics off)",
-                      "config_invalid")
-            listen = d.listen
+    listen = _listen(r, d.listen, "\"\" turns metrics off")
     r.finish()
     return MetricsConfig(listen=listen)
+
+
+def _listen(r: _Reader, default: str, off: str | None) -> str:
+    """``listen`` as ``host:port`` (``off``: what "" means; None: "" is refused too)."""
+    listen = r.get("listen", (str,), default)
+    if listen or off is None:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            r.problem("listen", f"{listen!r} is not host:port" + (f" ({off})" if off else ""),
+                      "config_invalid")
+            listen = default
+    return str(listen)
+
+
+def _api(r: _Reader, base: Path, ocr: OcrConfig) -> ApiConfig:
+    d = ApiConfig()
+    enabled = r.get("enabled", (bool,), d.enabled)
+    formats = r.strings("formats", d.formats)
+    unwritten = [f for f in formats if f not in ocr.formats]
+    if unwritten:
+        r.problem("formats", f"{unwritten} not written by the pipeline: ocr.formats is "
+                  f"{list(ocr.formats)}", "config_range")
+        formats = tuple(f for f in formats if f in ocr.formats)
+    callback = r.get("callback_url", (str,), d.callback_url)
+    if callback and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", callback):
+        r.problem("callback_url", f"{callback!r} is not an http(s) URL", "config_invalid")
+        callback = d.callback_url
+    cfg = ApiConfig(
+        enabled=enabled,
+        listen=_listen(r, d.listen, None),
+        tokens_file=r.path("tokens_file", d.tokens_file, base),
+        webhook_secret_file=r.path("webhook_secret_file", d.webhook_secret_file, base),
+        max_upload=r.number("max_upload", d.max_upload, 1, 1 << 40, True),
+        formats=formats,
+        callback_url=callback,
+        duplicates=r.choice("duplicates", d.duplicates, DUPLICATE_POLICIES),
+        webhook_deadline=r.number("webhook_deadline", d.webhook_deadline, 1, 30 * 86400),
+    )
+    if enabled and cfg.tokens_file is None:
+        r.problem("tokens_file", "required when api.enabled: the file of API tokens")
+    if cfg.callback_url and cfg.webhook_secret_file is None:
+        r.problem("webhook_secret_file", "required with api.callback_url: the key that "
+                  "signs webhooks")
+    r.finish()
+    return cfg
 
 
 def _covers(root: Path, recursive: bool, target: Path) -> bool:

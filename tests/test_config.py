@@ -500,6 +500,7 @@ def test_shipped_config_loads() -> None:
     assert cfg.engine == config.EngineConfig()
     assert cfg.control == config.ControlConfig()
     assert cfg.metrics == config.MetricsConfig()
+    assert cfg.api == config.ApiConfig() and cfg.api_watch() is None
     watch = cfg.watch[0]
     defaults = config.WatchConfig(input=watch.input, output=watch.input.parent / "output",
                                   done=watch.input.parent / "done",
@@ -514,7 +515,7 @@ def test_shipped_config_documents_every_field() -> None:
     sections = {
         "daemon": config.DaemonConfig, "watch": config.WatchConfig, "ocr": config.OcrConfig,
         "engine": config.EngineConfig, "control": config.ControlConfig,
-        "metrics": config.MetricsConfig,
+        "metrics": config.MetricsConfig, "api": config.ApiConfig,
     }
     expected: set[str] = set()
     for name, cls in sections.items():
@@ -534,3 +535,31 @@ def test_shipped_config_every_key_has_a_comment() -> None:
     for line in SHIPPED.read_text(encoding="utf-8").splitlines():
         if re.match(r"^#?\s*[a-z_]+\s*=", line.strip()):
             assert re.search(r"\S\s+#\s*\S", line), f"no comment on: {line}"
+
+
+# ----------------------------------------------------------------------------- [api]
+def test_api_is_off_by_default_and_its_folders_live_in_the_state_dir(tmp_path: Path) -> None:
+    cfg = config.load_config(_write(tmp_path, WATCH))
+    assert not cfg.api.enabled and cfg.api_watch() is None
+    on = config.load_config(_write(tmp_path, WATCH + '[daemon]\nstate_dir = "/srv/st"\n'
+                                   '[api]\nenabled = true\ntokens_file = "tok"\n'))
+    assert on.api.listen == "127.0.0.1:9479" and on.api.tokens_file == tmp_path / "tok"
+    watch = on.api_watch()
+    assert watch is not None and watch.input == Path("/srv/st/api/inbox")
+    assert watch.output == Path("/srv/st/api/output")
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("[api]\nenabled = true\n", "api.tokens_file"),
+    ('[api]\nlisten = "nowhere"\n', "api.listen"),
+    ('[api]\nformats = ["pdf"]\n', "api.formats"),
+    ('[ocr]\nformats = ["md"]\n[api]\nformats = ["md", "html"]\n', "api.formats"),
+    ('[api]\ncallback_url = "ftp://x"\n', "api.callback_url"),
+    ('[api]\ncallback_url = "http://x/hook"\n', "api.webhook_secret_file"),
+    ("[api]\nmax_upload = 0\n", "api.max_upload"),
+    ('[api]\nduplicates = "merge"\n', "api.duplicates"),
+    ("[api]\ntoken = 1\n", "api.token"),
+])
+def test_api_problems_name_the_key(tmp_path: Path, text: str, key: str) -> None:
+    problem = _one(tmp_path, WATCH + text)
+    assert problem.key == key and problem.line is not None

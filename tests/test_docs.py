@@ -26,7 +26,7 @@ DOCS = REPO_ROOT / "docs"
 SECTIONS: dict[str, type] = {
     "daemon": config.DaemonConfig, "watch": config.WatchConfig, "ocr": config.OcrConfig,
     "engine": config.EngineConfig, "control": config.ControlConfig,
-    "metrics": config.MetricsConfig,
+    "metrics": config.MetricsConfig, "api": config.ApiConfig,
 }
 #: Written in the file as one ``backoff = [initial, max]`` pair.
 PAIRS = {"engine.downshift.backoff": ("backoff_initial", "backoff_max")}
