@@ -118,6 +118,41 @@ MIGRATIONS: tuple[str, ...] = (
     DROP INDEX IF EXISTS pages_done_at;
     CREATE INDEX pages_by_state ON pages (state, finished_at);
     """,
+    # 6: the HTTP job API: who submitted a job (its token's name), the outputs it asked
+    # for and its webhook URL; the webhook outbox, filled by a trigger in the transaction
+    # that ends an API job with a callback (done, partial, failed), so a kill -9 between
+    # the job's end and the delivery loses no webhook.
+    """
+    CREATE TABLE api_jobs (
+        job_id INTEGER PRIMARY KEY REFERENCES jobs (id) ON DELETE CASCADE,
+        owner TEXT NOT NULL,
+        outputs TEXT NOT NULL,
+        callback_url TEXT
+    );
+    CREATE INDEX api_jobs_by_owner ON api_jobs (owner, job_id);
+    CREATE TABLE webhook_outbox (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id INTEGER NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+        state TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        next_at REAL NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        body TEXT,
+        delivered_at REAL,
+        given_up_at REAL,
+        last_error TEXT
+    );
+    CREATE INDEX webhook_outbox_due ON webhook_outbox (next_at)
+        WHERE delivered_at IS NULL AND given_up_at IS NULL;
+    CREATE TRIGGER webhook_on_finish AFTER UPDATE OF state ON jobs
+    WHEN NEW.state IN ('done', 'partial', 'failed') AND OLD.state IS NOT NEW.state
+        AND EXISTS (SELECT 1 FROM api_jobs a WHERE a.job_id = NEW.id
+                    AND a.callback_url IS NOT NULL) BEGIN
+        INSERT INTO webhook_outbox (job_id, state, created_at, next_at) VALUES (
+            NEW.id, NEW.state, (julianday('now') - 2440587.5) * 86400.0,
+            (julianday('now') - 2440587.5) * 86400.0);
+    END;
+    """,
 )
 
 
