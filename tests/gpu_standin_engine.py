@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A GPU stand-in for vLLM's OpenAI server, on PyTorch (issue 14): real CUDA memory, real OOM.
+"""A GPU stand-in for vLLM's OpenAI server, on PyTorch: real CUDA memory, real OOM.
 
 vLLM cannot be carried to the device machine, so this process plays the engine there,
 started through ``engine.command`` (``[python3, THIS, --standin-dir DIR]``; chandrad appends

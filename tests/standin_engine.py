@@ -57,7 +57,7 @@ read once at start, so that a test can change what the *next* generation does:
 * ``record_messages``: keep the messages (the page image) in the ``chat`` events too.
 * ``gate``: N > 0 holds every request until N are held at once (at most ``gate_s``,
   default 120 s), then answers them and all later ones as usual: the engine is the
-  bottleneck whatever the client's speed (issue 11, in flight >= ``max_num_seqs``).
+  bottleneck whatever the client's speed (in flight >= ``max_num_seqs``).
 
 What happened is appended to ``events.jsonl`` beside the scenario (``spawn``,
 ``check_flags``, ``chat`` at each request's arrival, ``grandchild``) and, when it listens,

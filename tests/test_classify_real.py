@@ -44,8 +44,9 @@ BENCH = _bench()
 
 
 # --------------------------------------------------------------------------- the dev splits
-#: Every split whose excerpts must classify exactly (one per fixture file; the rounds that
-#: made each are in tests/fixtures/classify/README.md). A spent hold-out becomes a dev split.
+#: Every split whose excerpts must classify exactly (one per fixture file; how each was
+#: collected and labelled is in tests/fixtures/classify/README.md). A spent hold-out becomes a
+#: dev split.
 DEV_SPLITS = ("dev", "dev3", "dev4", "dev5", "dev6", "dev7", "dev8")
 
 #: Dev excerpts the classifier is known to get wrong, by split, with the reason. Strict:
@@ -106,7 +107,7 @@ def test_dev_excerpt(case: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- the hold-outs
 #: Each scored hold-out: its size, the score it may not drop below and the most false memory
-#: calls it may make. Each was scored once when its round's classifier was frozen; later
+#: calls it may make. Each was scored once, on a classifier frozen before it was read; later
 #: classifiers, tuned on the dev splits only, moved the floors (the history is in
 #: tests/fixtures/classify/README.md). Raise a floor only with a better classifier that was
 #: not tuned on that hold-out's misses.
@@ -152,8 +153,9 @@ def test_splits_are_fixed_by_url_hash() -> None:
         assert row["source"].startswith("https://github.com/"), row["id"]
 
 
-def test_round3_split_is_fixed_by_url_hash_and_disjoint() -> None:
-    """Round 3's split is a function of the URL, and no thread of it is in an earlier file."""
+def test_dev3_holdout3_split_is_fixed_by_url_hash_and_disjoint() -> None:
+    """The dev3 / holdout3 split is a function of the URL, and no thread of it is in an earlier
+    file."""
     import hashlib
 
     rows = BENCH.load("dev3") + BENCH.load("holdout3")
@@ -165,9 +167,9 @@ def test_round3_split_is_fixed_by_url_hash_and_disjoint() -> None:
         assert row["source"] not in earlier, row["id"]
 
 
-def test_round4_split_is_fixed_by_salted_url_hash_and_disjoint() -> None:
-    """Round 4's split is a function of the URL (salt "round4"), and neither its threads nor
-    its texts are in an earlier file."""
+def test_dev4_holdout4_split_is_fixed_by_salted_url_hash_and_disjoint() -> None:
+    """The dev4 / holdout4 split is a function of the URL (salt "round4"), and neither its
+    threads nor its texts are in an earlier file."""
     import hashlib
 
     rows = BENCH.load("dev4") + BENCH.load("holdout4")
@@ -185,9 +187,9 @@ def test_round4_split_is_fixed_by_salted_url_hash_and_disjoint() -> None:
         assert " ".join(row["text"].split()) not in earlier_texts, row["id"]
 
 
-def test_round5_is_disjoint_from_every_earlier_file() -> None:
-    """Round 5 (now dev5): neither its threads nor its texts (nor any long line of them) are
-    in an earlier file."""
+def test_dev5_is_disjoint_from_every_earlier_file() -> None:
+    """dev5 (once the hold-out holdout5): neither its threads nor its texts (nor any long line
+    of them) are in an earlier file."""
     rows = BENCH.load("dev5")
     assert len(rows) >= 30
     earlier_rows = BENCH.load("all") + BENCH.load("holdout2") + BENCH.load("dev3")
@@ -277,7 +279,7 @@ GENERALISED_WORDINGS = [
         FailureClass.HOST_OOM,
     ),
     ("./start.sh: line 12:    57 Killed    python -m vllm.entrypoints", FailureClass.HOST_OOM),
-    # Round 3: engine deaths pasted without their cause are failures, never memory.
+    # Engine deaths pasted without their cause are failures, never memory.
     (
         "ERROR 10-23 18:21:12 [core_client.py:597] Engine core proc EngineCore_DP0 died "
         "unexpectedly, shutting down client.",
@@ -306,7 +308,7 @@ GENERALISED_WORDINGS = [
         "INFO [gpu_worker.py:255] Available KV cache memory: -0.87 GiB",
         FailureClass.KV_CACHE_INSUFFICIENT,
     ),
-    # Round 4: a multiplexer's name column before every line (docker compose, FastChat)
+    # A multiplexer's name column before every line (docker compose, FastChat)
     # must not hide the traceback behind it.
     (
         'vllm  | ERROR 02-11 08:25:49 async_llm_engine.py:68]   File "/usr/lib/python3/'
@@ -320,14 +322,14 @@ GENERALISED_WORDINGS = [
         "2024-10-14 01:39:49 | ERROR | stderr | [rank0]:     self.model_executor = executor(",
         FailureClass.OTHER_FATAL,
     ),
-    # Round 4: an OOM in the sampler with no other frame is a batch being sampled.
+    # An OOM in the sampler with no other frame is a batch being sampled.
     (
         '[rank0]:   File "/x/vllm/model_executor/layers/sampler.py", line 904, in '
         "get_logprobs\n"
         "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 7.04 GiB.",
         FailureClass.CUDA_OOM_RUNTIME,
     ),
-    # Round 4: vLLM's sleep-mode allocator ran out (it maps memory when woken up).
+    # vLLM's sleep-mode allocator ran out (it maps memory when woken up).
     (
         "RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:62",
         FailureClass.CUDA_OOM_RUNTIME,
@@ -339,7 +341,7 @@ GENERALISED_WORDINGS = [
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 786.00 MiB.",
         FailureClass.CUDA_OOM_LOAD,
     ),
-    # Round 5: PyTorch's allocator message hard-wrapped by the paste: its figures (here
+    # PyTorch's allocator message hard-wrapped by the paste: its figures (here
     # 836 MiB reserved but unallocated >= 20 MiB requested) are on the third line.
     (
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has\n"
@@ -353,7 +355,7 @@ GENERALISED_WORDINGS = [
         "RuntimeError: CUDA out of\nmemory. Tried to allocate 2.00 GiB",
         FailureClass.CUDA_OOM_LOAD,
     ),
-    # Round 5: an OOM reported against a request or session id happened while serving.
+    # An OOM reported against a request or session id happened while serving.
     (
         "ERROR Error while invoking session 0b5c1d2e-9f3a-4e6b-8c7d-1a2b3c4d5e6f: CUDA out of "
         "memory. Tried to allocate 2.00 GiB.",
@@ -364,20 +366,20 @@ GENERALISED_WORDINGS = [
         "cmpl-5c8e0d1f2a3b4c5d: torch.OutOfMemoryError: CUDA out of memory.",
         FailureClass.CUDA_OOM_RUNTIME,
     ),
-    # Round 5: SGLang's scheduler lines mean it was serving.
+    # SGLang's scheduler lines mean it was serving.
     (
         "[2025-01-02 10:00:00 TP0] Decode batch. #running-req: 12, #token: 9000, "
         "gen throughput (token/s): 800.1\n"
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 MiB.",
         FailureClass.CUDA_OOM_RUNTIME,
     ),
-    # Round 5: a caller's loop over its batches, pasted with the error, is inference.
+    # A caller's loop over its batches, pasted with the error, is inference.
     (
         "for batch in batches:\n    out = model.forward_batch(batch)\n"
         "RuntimeError: CUDA failed with error out of memory",
         FailureClass.CUDA_OOM_RUNTIME,
     ),
-    # Round 5: failures stated without an exception class or a traceback.
+    # Failures stated without an exception class or a traceback.
     ("Exception in thread Thread-3 (_run_loop):", FailureClass.OTHER_FATAL),
     ("ERROR 01-01 12:00:00 [engine.py:1] Failed to start the engine", FailureClass.OTHER_FATAL),
     (
@@ -392,7 +394,7 @@ GENERALISED_WORDINGS = [
     ),
     # ... but not the note an interpreter prints at a clean exit.
     ("Exception ignored in: <function Pool.__del__ at 0x7f>", FailureClass.NONE),
-    # Round 5: docker inspect says the container was NOT killed for memory.
+    # docker inspect says the container was NOT killed for memory.
     ('"State": {"Status": "exited", "OOMKilled": false, "Dead": false}', FailureClass.NONE),
     ("Last State: Terminated\n  Reason: OOMKilled", FailureClass.HOST_OOM),
     # Not memory at all.
@@ -417,9 +419,9 @@ GENERALISED_WORDINGS = [
     ),
 ]
 
-#: Round 6: the rules behind the dev5 misses (the spent round-5 hold-out), in made-up texts of
-#: the same shapes; each classified otherwise before the change.
-ROUND6_RULES = [
+#: The rules behind the dev5 misses (dev5 was the hold-out holdout5), in made-up texts of the
+#: same shapes; each classified otherwise before its rule.
+DEV5_MISS_RULES = [
     # syslog/journalctl's "Mon DD hh:mm:ss host unit[pid]: " before each line hid a frame.
     (
         "Aug 17 18:42:18 gpu1 vllm[8052]: (APIServer pid=8052)   File "
@@ -511,9 +513,9 @@ ROUND6_RULES = [
 ]
 
 
-#: Round 7: the rules behind the dev6 misses (the spent round-6 hold-out), in made-up texts of
-#: the same shapes, with guards that must not fire; each rule text classified otherwise before.
-ROUND7_RULES = [
+#: The rules behind the dev6 misses (dev6 was the hold-out holdout6), in made-up texts of the
+#: same shapes, with guards that must not fire; each rule text classified otherwise before.
+DEV6_MISS_RULES = [
     # A cause that a message only lists among possibilities is not asserted: a hedge word
     # ("potential", "likely", "root causes") or an item of an enumeration of alternatives.
     (
@@ -587,10 +589,10 @@ _FRAG_MSG = (
     "allocated by PyTorch, and 16.00 GiB is reserved by PyTorch but unallocated."
 )
 
-#: Round 8: the rules behind the dev7 misses (the spent round-7 hold-out) and the family gaps
-#: found by going through the message templates, in made-up texts, with guards that must not
-#: fire; each rule text classified otherwise before round 8.
-ROUND8_RULES = [
+#: The rules behind the dev7 misses (dev7 was the hold-out holdout7) and the family gaps found
+#: by going through the message templates, in made-up texts, with guards that must not fire;
+#: each rule text classified otherwise before its rule.
+DEV7_MISS_RULES = [
     # A log collector's severity before the process's own: the innermost level, the vLLM
     # process's, is the line's level (GKE's INFO did hide an ERROR line's OOM) ...
     (
@@ -703,15 +705,15 @@ ROUND8_RULES = [
 ]
 
 
-#: Round 9: host-memory wordings that do not show the host's RAM running out, and the host
+#: Host-memory wordings that do not show the host's RAM running out, and the host
 #: family across hard wraps, in made-up texts from the templates (c10's alloc_cpu.cpp,
 #: MapAllocator.cpp, pybind11's exception translation, NCCL's ibvwrap.cc, the kernel), with
-#: guards that must stay host_oom; each rule text classified otherwise before round 9.
+#: guards that must stay host_oom; each rule text classified otherwise before its rule.
 _BAD_ALLOC_ABORT = (
     "terminate called after throwing an instance of 'std::bad_alloc'\n"
     "  what():  std::bad_alloc\nAborted (core dumped)"
 )
-ROUND9_RULES = [
+HOST_MEMORY_RULES = [
     # A bare C++ std::bad_alloc is a crash, not host memory: operator new fails for a corrupt
     # or overflowed size as well, and a full Linux host usually meets the OOM killer first ...
     (_BAD_ALLOC_ABORT, FailureClass.OTHER_FATAL),
@@ -781,10 +783,10 @@ ROUND9_RULES = [
 #: Every list of rule texts, by name (the fixtures README cites them by name).
 RULE_TEXTS = {
     "generalised": GENERALISED_WORDINGS,
-    "round6": ROUND6_RULES,
-    "round7": ROUND7_RULES,
-    "round8": ROUND8_RULES,
-    "round9": ROUND9_RULES,
+    "dev5-misses": DEV5_MISS_RULES,
+    "dev6-misses": DEV6_MISS_RULES,
+    "dev7-misses": DEV7_MISS_RULES,
+    "host-memory": HOST_MEMORY_RULES,
 }
 
 
@@ -830,12 +832,12 @@ def test_bench_report_piped_into_a_closed_reader_exits_quietly() -> None:
     assert proc.returncode == 128 + signal.SIGPIPE
 
 
-# --------------------------------------------------------------------------- round 9
-# The round-9 hold-out (real_excerpts_round9.jsonl) is scored once by the coordinator after the
-# round-9 classifier is frozen; these tests use a file of their own, never that one.
+# --------------------------------------------------------------------------- holdout9
+# The hold-out holdout9 (real_excerpts_round9.jsonl) is scored once, by the coordinator, on a
+# frozen classifier; these tests use a file of their own, never that one.
 
 
-def _write_round9(folder: Path) -> None:
+def _write_holdout9(folder: Path) -> None:
     rows = [
         {"id": "a-1", "label": "other_fatal", "split": "holdout9",
          "source": "https://github.com/example/a/issues/1",
@@ -852,10 +854,10 @@ def _write_round9(folder: Path) -> None:
     )
 
 
-def test_holdout9_split_reads_round9_file(tmp_path: Path) -> None:
+def test_holdout9_split_reads_its_own_file(tmp_path: Path) -> None:
     """``--split holdout9`` reads real_excerpts_round9.jsonl from the fixtures folder and
     scores it like the other hold-outs."""
-    _write_round9(tmp_path)
+    _write_holdout9(tmp_path)
     assert [r["id"] for r in BENCH.load("holdout9", root=tmp_path)] == ["a-1", "b-2", "c-3"]
     report = BENCH.evaluate("holdout9", root=tmp_path)
     assert (report.total, report.correct, report.false_memory_calls) == (3, 2, 0)
@@ -871,7 +873,7 @@ def test_holdout9_split_reads_round9_file(tmp_path: Path) -> None:
 def test_holdout9_misses_are_refused_and_a_missing_file_is_said(tmp_path: Path) -> None:
     """``--misses`` refuses holdout9 (it is never tuned on) before reading anything; without
     the file the script says so and exits 2 instead of a traceback."""
-    _write_round9(tmp_path)
+    _write_holdout9(tmp_path)
     script = [sys.executable, str(REPO / "bench" / "diagnose_holdout.py"), "--split", "holdout9"]
     refused = subprocess.run(
         [*script, "--fixtures", str(tmp_path), "--misses"],

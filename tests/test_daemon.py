@@ -242,7 +242,7 @@ def test_page_cut_at_max_output_tokens_is_kept_and_marked_truncated(
     """With ocr.max_output_tokens below the stand-in's answer, the answer ends with
     finish_reason "length": as in Chandra's client the cut-off text is kept, the page costs
     one attempt and is marked truncated in the JSON and the metadata, and the job is done
-    (issue 10; it used to be retried, then failed). The reload needs no engine restart."""
+    (not retried). The reload needs no engine restart."""
     original = daemon.config.read_text()
     name = "cut-short.png"
     try:

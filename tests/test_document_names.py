@@ -1,4 +1,4 @@
-"""One name per document across ``done/`` and ``output/`` (issue 29 #7), on the real daemon
+"""One name per document across ``done/`` and ``output/``, on the real daemon
 with the stand-in engine.
 
 It used to be two clash rules: ``report.pdf`` and ``report.png`` went to ``output/report/``

@@ -1,4 +1,4 @@
-"""Signals in the first moments of ``chandrad run`` (issue 29 #2): the real daemon, exec'd
+"""Signals in the first moments of ``chandrad run``: the real daemon, exec'd
 as systemd does, signalled 0-200 ms after exec.
 
 A SIGHUP there used to kill it (status 129, which systemd counts as a clean exit, so

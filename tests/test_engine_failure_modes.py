@@ -1,4 +1,4 @@
-"""vLLM's real failure modes on the real daemon (issue 28): a hung engine whose ``/health``
+"""vLLM's real failure modes on the real daemon: a hung engine whose ``/health``
 still says 200, and an engine that exits 0 by itself.
 
 The engine is the stand-in process (tests/standin_engine.py as ``engine.python``), in the

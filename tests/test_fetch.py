@@ -1,4 +1,4 @@
-"""Weights on first start: `chandrad fetch-model` against a hub-protocol server (issue 10).
+"""Weights on first start: `chandrad fetch-model` against a hub-protocol server.
 
 huggingface_hub (the real client, in the real `chandrad fetch-model` process) downloads
 a model repository from tests/hub_server.py through ``HF_ENDPOINT`` set in ``[engine] env``

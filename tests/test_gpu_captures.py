@@ -1,4 +1,4 @@
-"""What NVML showed while chandrad ran on one and on two real H200s (issue 14; tests/fixtures/gpu/).
+"""What NVML showed while chandrad ran on one and on two real H200s (tests/fixtures/gpu/).
 
 The captures come from the device machine (``tests/fixtures/gpu/capture_gpu_run.py``): the
 real daemon supervising the GPU stand-in engine, which held real CUDA memory and ran out of

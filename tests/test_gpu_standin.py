@@ -1,4 +1,4 @@
-"""The GPU stand-in engine's protocol, on the CPU (issue 14; tests/gpu_standin_engine.py).
+"""The GPU stand-in engine's protocol, on the CPU (tests/gpu_standin_engine.py).
 
 The stand-in plays vLLM on the device machine (tests/fixtures/gpu/); here, without CUDA, it
 holds no memory, but everything chandrad talks to is the same: the flag check it answers as

@@ -1,4 +1,4 @@
-"""Hostile file names through the real daemon, watcher, store and control socket (issue 8).
+"""Hostile file names through the real daemon, watcher, store and control socket.
 
 A name that is not valid UTF-8 (``caf\\xe9.pdf``, common on Samba shares and in unpacked
 archives) used to raise ``UnicodeEncodeError`` in the store's first query and end the

@@ -1,4 +1,4 @@
-"""Restarts to a ready engine, per failure class whose message carries numbers (issue 28).
+"""Restarts to a ready engine, per failure class whose message carries numbers.
 
 A simulated GPU (:class:`SimGpu`: total and free memory, the engine's weights and
 activations, CUDA graphs, KV bytes per token, Mamba-state blocks) starts a profile the
@@ -7,8 +7,7 @@ the real figures filled in. The real classifier reads the message, the real ladd
 (:func:`next_profile`, with the ``failed`` bookkeeping of engine/policy.py) picks the
 next profile, until the simulated engine is ready. Pure: no process, milliseconds.
 
-Measured (the ladder before issue 28 → now; the table of the report and of
-docs/operations.md):
+Measured (the ladder before it read the numbers in vLLM's messages → now):
 
 =============================  ===============  ======
 scenario                       before           now

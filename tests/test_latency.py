@@ -1,4 +1,4 @@
-"""Latency (issue 11): a one-page file dropped into an idle daemon reaches the engine
+"""Latency: a one-page file dropped into an idle daemon reaches the engine
 within ``settle_seconds + 0.3`` s.
 
 The real daemon (``python -m chandrad run``: watcher, intake, dispatch, render pool,

@@ -1,4 +1,4 @@
-"""Chandra's launch as the GPU default, compared with Chandra's own launcher (issue 10).
+"""Chandra's launch as the GPU default, compared with Chandra's own launcher.
 
 Chandra's launcher (``python -m chandra.scripts.vllm --gpu NAME``) is run for real with
 a stand-in ``sudo`` first on ``PATH`` that records the ``docker run`` argv it was given:

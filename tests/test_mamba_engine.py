@@ -1,4 +1,4 @@
-"""Chandra 2's hybrid cache on the real daemon (issue 28): vLLM refuses ``max_num_seqs``
+"""Chandra 2's hybrid cache on the real daemon: vLLM refuses ``max_num_seqs``
 above its pool of Mamba-state blocks, and the ladder sets it to the number vLLM names.
 
 The engine is the stand-in process (tests/standin_engine.py as ``engine.python``) with

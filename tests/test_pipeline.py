@@ -6,8 +6,7 @@ process (tests/standin_engine.py, driven through :class:`StandinEngine`) serves
 ``/health``, ``/v1/models``, ``/metrics`` and ``/v1/chat/completions``, and the supervisor
 watches it as a remote engine (``engine.url``). It answers per page (told apart by the
 page image's width) as each test needs: a layout, an error status, or slowly. These rules
-need no inference, and a stand-in makes the failures they guard against deterministic
-(issue 15).
+need no inference, and a stand-in makes the failures they guard against deterministic.
 """
 
 from __future__ import annotations
@@ -261,7 +260,7 @@ async def tasks_started_over(seconds: float) -> int:
     return _task_serial() - before - 1
 
 
-# ----------------------------------------------------------------- issue 15 #2
+# ----------------------------------------------------------------- a job's watch and state
 
 
 def test_a_job_is_running_in_the_store_from_the_step_that_dispatches_it(
@@ -385,7 +384,7 @@ def test_job_dispatched_just_before_its_watch_is_removed_goes_back_to_pending(
     run_async(body)
 
 
-# ----------------------------------------------------------------- issue 15 #3
+# ----------------------------------------------------------------- a job that cannot be failed
 
 
 def test_job_that_cannot_be_failed_backs_off_and_stays_visible(tmp_path: Path,
@@ -453,7 +452,7 @@ def test_job_backing_off_whose_watch_is_removed_is_held_once(tmp_path: Path,
     run_async(body)
 
 
-# ----------------------------------------------------------------- issue 15 #4
+# ----------------------------------------------------------------- a poison page
 
 
 @pytest.mark.parametrize("failure", [Reply(status=500), Reply(delay=2.0)],
@@ -487,7 +486,7 @@ def test_poison_page_ends_instead_of_retrying_forever(tmp_path: Path, standin: S
     run_async(body)
 
 
-# ----------------------------------------------------------------- issue 15 #6
+# ----------------------------------------------------------------- an input replaced under a job
 
 
 def _metadata(out_dir: Path) -> dict[str, Any]:
@@ -592,7 +591,7 @@ def test_store_names_the_output_dir_the_document_was_written_to(
     run_async(body)
 
 
-# ----------------------------------------------------------------- issue 15 #9
+# ----------------------------------------------------------------- a crash between done/ and DONE
 
 
 def test_crash_after_moving_input_to_done_completes_at_restart(
@@ -629,7 +628,7 @@ def test_crash_after_moving_input_to_done_completes_at_restart(
     run_async(body)
 
 
-# ----------------------------------------------------------------- issue 15 #7
+# ----------------------------------------------------------------- timeouts
 
 
 def test_render_timeout_times_the_work_not_the_wait_for_a_worker(tmp_path: Path) -> None:
@@ -750,13 +749,13 @@ def test_a_failing_page_cancels_its_siblings(tmp_path: Path, standin: StandinEng
     run_async(body)
 
 
-# ----------------------------------------------------------------- issue 11
+# ----------------------------------------------------------------- a full engine batch
 
 
 def test_one_page_files_keep_the_engine_batch_full(tmp_path: Path,
                                                    standin: StandinEngine) -> None:
-    """While rendered pages wait, the engine holds at least its ``max_num_seqs`` requests
-    (issue 11). 40 one-page files: one-page jobs must fill the batch as a long PDF does (it
+    """While rendered pages wait, the engine holds at least its ``max_num_seqs`` requests.
+    40 one-page files: one-page jobs must fill the batch as a long PDF does (it
     held 10 of 16 when jobs were capped at half the capacity); the stand-in counts the
     requests it holds at once, and answers nothing until it holds 16 (its ``gate``), so
     the engine is the bottleneck whatever this box's render speed. With a fixed 2 s a
@@ -783,8 +782,8 @@ def test_one_page_files_keep_the_engine_batch_full(tmp_path: Path,
 def test_one_117_page_pdf_fills_a_64_seq_engine(tmp_path: Path, standin: StandinEngine,
                                                 corpus_dir: Path) -> None:
     """Chandra's H100 setting, ``max_num_seqs = 64``: one long PDF alone (the corpus's
-    117 pages) keeps at least 64 requests at the engine while rendered pages wait
-    (issue 11). The stand-in answers nothing until it holds 64 (its ``gate``), so the
+    117 pages) keeps at least 64 requests at the engine while rendered pages wait.
+    The stand-in answers nothing until it holds 64 (its ``gate``), so the
     engine is the bottleneck whatever this box's render speed, then everything at once.
     With a fixed 6 s per page instead, renders never got ahead on the loaded 2-core box
     (it held 24) and the test proved nothing."""
@@ -915,13 +914,13 @@ def test_a_pipeline_mode_edge_that_states_forbids_raises(
     run_async(body)
 
 
-# ----------------------------------------------------------------- issue 8 (backlog rate)
+# ----------------------------------------------------------------- write transactions per job
 
 
 def test_a_one_page_job_commits_six_write_transactions(tmp_path: Path,
                                                        standin: StandinEngine) -> None:
     """Every write transaction is an fsync of the WAL on the event loop's thread
-    (``synchronous=FULL``); a backlog of one-page files pays them per file (issue 8).
+    (``synchronous=FULL``); a backlog of one-page files pays them per file.
     From start to ``done`` a one-page job needs six, each for a durability reason:
     ``running`` (counts the attempt), its pages, the page's claim and its result, where
     the input is going (before the move), and ``done``. The page count used to be

@@ -1,4 +1,4 @@
-"""The supervisor's policy, split out of it (issue 9): the restart budget and backoff
+"""The supervisor's policy, unit-tested without processes: the restart budget and backoff
 (engine/budget.py), the profile policy (engine/policy.py: ladder memory, upshift probe,
 revert and pin), and the verdict on a kill without a kernel OOM kill (engine/generation.py).
 

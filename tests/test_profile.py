@@ -202,7 +202,7 @@ def test_profile_round_trips_through_dict() -> None:
 
 
 # ------------------------------------------------------------------ one step from the numbers
-# (issue 28; restarts to ready per class: tests/test_ladder_restarts.py)
+# (restarts to ready per class: tests/test_ladder_restarts.py)
 
 ISSUE_KV = {"max_model_len": 18000.0, "needed_gib": 2.06, "available_gib": 1.2,
             "estimated_max_model_len": 10480.0}

@@ -411,7 +411,7 @@ def test_kept_pdf_matches_a_fresh_open_and_follows_a_replaced_file(tmp_path: Pat
     """Pages rendered from the PDFs a worker keeps open, in an interleaved order across
     more files than it keeps, are byte for byte those of a fresh open; a PDF replaced at
     the same path (new inode) or rewritten in place is read anew, and the replaced one is
-    not held open (issue 8's faults replace inputs mid-flight)."""
+    not held open (the fault tests replace inputs mid-flight)."""
     order = [(LONG_PDF, 3), (OTHER_PDF, 16), (LONG_PDF, 14), (OTHER_PDF, 0), (LONG_PDF, 4)]
     extra = []
     for n in range(render.KEEP_OPEN_FILES):
@@ -696,7 +696,7 @@ def test_worker_slots_go_to_post_processing_before_renders() -> None:
     assert asyncio.run(scenario()) == ["postprocess", "render0", "render1", "render2"]
 
 
-#: The corpus pages that cost a worker the most memory (issue 11): a 2550x3300 RGB scan
+#: The corpus pages that cost a worker the most memory: a 2550x3300 RGB scan
 #: with a soft mask (MuPDF holds image, mask, RGBA and scaled copies at once), a 300 dpi
 #: colour JPEG and a bilevel TIFF spread.
 def _status_mb(pid: int, field: str) -> float:

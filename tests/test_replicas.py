@@ -1,4 +1,4 @@
-"""Placing engines (issue 12): NVML's per-GPU facts + ``[engine]`` → replica specs.
+"""Placing engines: NVML's per-GPU facts + ``[engine]`` → replica specs.
 
 The planner is pure; the GPU facts are what NVML reports on hosts with 1, 2 and 8 cards
 (machines with several GPUs are not lent here). The specs are then turned into the real

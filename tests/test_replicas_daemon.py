@@ -1,4 +1,4 @@
-"""Several engines under one real daemon (issue 12), on the stand-in engine process.
+"""Several engines under one real daemon, on the stand-in engine process.
 
 Two replicas pinned to CPU 0 and CPU 1 (``engine.cpu_affinity``), each a stand-in engine
 *process* (tests/standin_engine.py, used as ``engine.python``) that prints vLLM's real

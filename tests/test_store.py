@@ -21,6 +21,7 @@ from conftest import CORPUS_DIR
 from chandrad.errors import InternalError, StateDirInUse
 from chandrad.states import JobState, PageState
 from chandrad.store import DB_NAME, LOCK_NAME, MIGRATIONS, Job, Store, StoreBackend
+from chandrad.store.postgres import PgStore
 
 CORPUS = CORPUS_DIR / "good"
 
@@ -29,10 +30,16 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@pytest.fixture()
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(tmp_path / "state")
-    yield s
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """The store of each backend: SQLite in a state dir, PostgreSQL in a fresh database of
+    the session's real server (``pg_server``). The tests taking it are the contract."""
+    s: Store | PgStore
+    if request.param == "sqlite":
+        s = Store.open(tmp_path / "state")
+    else:
+        s = PgStore.open(request.getfixturevalue("pg_server").new_database(), "host-a")
+    yield s  # type: ignore[misc]  # both keep StoreBackend; the tests read it as Store
     s.close()
 
 
@@ -177,7 +184,7 @@ def test_duplicates_policy(store: Store) -> None:
 def test_skip_duplicates_dropped_together_or_while_queued(store: Store,
                                                           tmp_path: Path) -> None:
     """'skip' compares with jobs not yet done too: copies accepted in one batch, and a
-    copy arriving while the first is pending or running, are skipped (issue 15 #10)."""
+    copy arriving while the first is pending or running, are skipped."""
     root = tmp_path / "in"
     same, other = "cc" * 32, "dd" * 32
     batch = [(0, root, root / f"copy{i}.pdf", 10, 1.0, same) for i in range(3)]
@@ -475,7 +482,7 @@ def test_kill_9_loses_nothing_and_recovers_in_flight(tmp_path: Path) -> None:
 
 def test_version_1_database_is_migrated_and_jobs_keep_their_watch(tmp_path: Path) -> None:
     """A store written by the first schema opens: it gains the index jobs find their
-    watch's folder by (issue 15 #2), and its jobs are untouched."""
+    watch's folder by, and its jobs are untouched."""
     with sqlite3.connect(tmp_path / DB_NAME) as conn:
         conn.executescript(MIGRATIONS[0])
         conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")

@@ -1,5 +1,5 @@
 """The store's guards on the real daemon (``chandrad run``, tests/daemon_harness.py) with
-the stand-in engine (issue 29): one daemon per store even when ``chandrad.lock`` was
+the stand-in engine: one daemon per store even when ``chandrad.lock`` was
 deleted, a damaged store refused with exit 78 and the way out (and ``chandrad store
 check``/``repair``), and a full filesystem under the store held, not failed, until space
 comes back (a real tmpfs; needs root).

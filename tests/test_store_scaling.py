@@ -1,4 +1,4 @@
-"""The store's per-tick queries cost the same with 100 jobs as with thousands (issue 8:
+"""The store's per-tick queries cost the same with 100 jobs as with thousands (a
 "10,000-file backlog while the engine restarts every 60 s").
 
 ``Store.counts()`` feeds the status line, which the daemon rebuilds every main-loop tick

@@ -1,4 +1,5 @@
-"""Supervision defects of issue 16 (#1, #3–#8), on the real supervisor and daemon.
+"""The supervisor on the real daemon: which processes it kills, its flag check, whose port
+answers, and the profile ladder across restarts.
 
 vLLM itself is not the point here, so the engine is a stand-in *process*
 (``tests/standin_engine.py``, used as ``engine.python``): it prints vLLM's real log

@@ -1,4 +1,4 @@
-"""The watched folders at start (issue 29 #8), on the real ``chandrad run`` and
+"""The watched folders at start, on the real ``chandrad run`` and
 ``chandrad check-config``: a misspelled input is a config error naming its key (it used
 to be created empty and watched forever) unless ``create_input = true``; a read-only
 output, done or failed folder is refused whether it existed or not (an existing one used

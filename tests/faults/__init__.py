@@ -1,4 +1,4 @@
-"""Fault suite (issue 8, Part 1): hostile clients, dying parts, full disks — real components.
+"""Fault suite: hostile clients, dying parts, full disks — real components.
 
 Each module drives a real part (here: the control server in its own process) through
 one class of fault and asserts what chandrad must still do, with figures.
