@@ -12,10 +12,10 @@ makes chandrad shrink a profile that was never the problem).
 
 The hold-out split is chosen by a hash of the source URL and is never used to tune the
 classifier: ``--misses`` refuses it, so its individual errors are not looked at. Each
-round's hold-out score, taken once, is recorded in tests/fixtures/classify/README.md; the
-latest scored (round 8, then ``holdout8``, now the dev split ``dev8``): 43/44 = 0.977, 1 false
-memory call. Round 9's hold-out is ``--split holdout9`` (``real_excerpts_round9.jsonl``,
-read only when that file exists).
+hold-out's score, taken once, is recorded in tests/fixtures/classify/README.md; the latest
+scored (``holdout8``, now the dev split ``dev8``): 43/44 = 0.977, 1 false memory call. The
+unscored hold-out is ``--split holdout9`` (``real_excerpts_round9.jsonl``, read only when
+that file exists).
 """
 
 from __future__ import annotations
@@ -35,26 +35,26 @@ from chandrad.engine.classify import FailureClass, classify
 DATA = Path(__file__).resolve().parent.parent / "tests/fixtures/classify/real_excerpts.jsonl"
 #: A second hold-out, collected after the classifier was frozen on the first one's score.
 DATA2 = DATA.with_name("real_excerpts_holdout2.jsonl")
-#: Round 3: new dev data (``dev3``) and a fresh hold-out (``holdout3``), labelled before the
+#: The third file: dev data (``dev3``) and a hold-out (``holdout3``), labelled before the
 #: classifier was run on them.
 DATA3 = DATA.with_name("real_excerpts_round3.jsonl")
-#: Round 4: new dev data (``dev4``) and a fresh hold-out (``holdout4``), committed before the
+#: The fourth file: dev data (``dev4``) and a hold-out (``holdout4``), committed before the
 #: classifier was run on them.
 DATA4 = DATA.with_name("real_excerpts_round4.jsonl")
-#: Round 5: collected after the round-5 classifier was committed and scored once as the
-#: hold-out ``holdout5`` (25/34); dev data (``dev5``) from round 6 on.
+#: Collected after a classifier was committed, scored once on it as the hold-out ``holdout5``
+#: (25/34); now dev data (``dev5``).
 DATA5 = DATA.with_name("real_excerpts_round5.jsonl")
-#: Round 6: collected while the round-6 classifier was tuned, scored once as the hold-out
-#: ``holdout6`` (37/44, 2 false memory calls); dev data (``dev6``) from round 7 on.
+#: Collected while the classifier was tuned on ``dev5``, scored once on it as the hold-out
+#: ``holdout6`` (37/44, 2 false memory calls); now dev data (``dev6``).
 DATA6 = DATA.with_name("real_excerpts_round6.jsonl")
-#: Round 7: collected while the round-7 classifier was tuned, scored once as the hold-out
-#: ``holdout7`` (40/44, 0 false memory calls); dev data (``dev7``) from round 8 on.
+#: Collected while the classifier was tuned on ``dev6``, scored once on it as the hold-out
+#: ``holdout7`` (40/44, 0 false memory calls); now dev data (``dev7``).
 DATA7 = DATA.with_name("real_excerpts_round7.jsonl")
-#: Round 8: collected while the round-8 classifier was tuned, scored once as the hold-out
-#: ``holdout8`` (43/44, 1 false memory call); dev data (``dev8``) from round 9 on.
+#: Collected while the classifier was tuned on ``dev7``, scored once on it as the hold-out
+#: ``holdout8`` (43/44, 1 false memory call); now dev data (``dev8``).
 DATA8 = DATA.with_name("real_excerpts_round8.jsonl")
-#: Round 9: a hold-out only (``holdout9``), collected while the round-9 classifier was tuned
-#: on the dev splits. Read only when the file exists.
+#: A hold-out only (``holdout9``), collected while the classifier was tuned on ``dev8``. Read
+#: only when the file exists.
 DATA9 = DATA.with_name("real_excerpts_round9.jsonl")
 #: The splits whose individual misses may be listed (and so tuned on).
 DEV_SPLITS = frozenset({"dev", "dev3", "dev4", "dev5", "dev6", "dev7", "dev8"})
@@ -134,10 +134,9 @@ class Report:
 
 def load(split: str, path: Path | None = None, *, root: Path = DATA.parent) -> list[dict[str, Any]]:
     """The excerpts of one split: "dev", "holdout", "all" (both) of the first file,
-    "holdout2" of the second, "dev3" / "holdout3" of round 3, "dev4" / "holdout4" of round 4,
-    "dev5" of round 5 (its hold-out until round 6), "dev6" of round 6 (its hold-out until
-    round 7), "dev7" of round 7 (its hold-out until round 8), "dev8" of round 8 (its hold-out
-    until round 9), "holdout9" of round 9.
+    "holdout2" of the second, "dev3" / "holdout3" of the third, "dev4" / "holdout4" of the
+    fourth, "dev5" to "dev8" of the fifth to eighth (each once a hold-out, spent), "holdout9"
+    of the ninth.
     ``path`` reads that one file instead; ``root`` is the folder the split's file is looked
     up in.
 

@@ -67,7 +67,7 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE INDEX jobs_by_root ON jobs (input_root, state);
     """,
-    # 3: paths as exact bytes (BLOB), so names that are not valid UTF-8 fit (issue 8).
+    # 3: paths as exact bytes (BLOB), so names that are not valid UTF-8 fit.
     """
     UPDATE jobs SET input_root = CAST(input_root AS BLOB), path = CAST(path AS BLOB),
         abs_path = CAST(abs_path AS BLOB), output_dir = CAST(output_dir AS BLOB),
@@ -75,7 +75,7 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 4: jobs and pages per state kept by triggers, so counts() (the status line, every
     # main-loop tick) and page_counts() (every metrics scrape) read a handful of rows
-    # instead of an index scan over every job and page ever accepted (issue 8 backlog).
+    # instead of an index scan over every job and page ever accepted (a 10,000-file backlog).
     """
     CREATE TABLE job_counts (state TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
     INSERT INTO job_counts (state, n) SELECT state, COUNT(*) FROM jobs GROUP BY state;
@@ -112,7 +112,7 @@ MIGRATIONS: tuple[str, ...] = (
     # of every status call and metrics scrape) is answered from the index alone. With the
     # partial index on finished_at SQLite still read each done page's row to check its
     # state, and a row holds the page's result (its crops too) in overflow pages: 26 ms
-    # of daemon CPU per status call after 182 pages, growing with history (issue 11).
+    # of daemon CPU per status call after 182 pages, growing with history.
     """
     DROP INDEX IF EXISTS pages_by_state;
     DROP INDEX IF EXISTS pages_done_at;
