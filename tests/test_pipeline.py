@@ -810,7 +810,7 @@ def test_one_117_page_pdf_fills_a_64_seq_engine(tmp_path: Path, standin: Standin
 def test_a_full_engine_has_half_a_batch_rendered_behind_it(tmp_path: Path,
                                                            standin: StandinEngine,
                                                            corpus_dir: Path) -> None:
-    """Issue 11, ``max_num_seqs = 64``: while the engine holds a full batch, chandrad renders
+    """With ``max_num_seqs = 64``, while the engine holds a full batch, chandrad renders
     ahead, so that when answers come back (vLLM finishes requests in bursts) the freed slots
     are refilled from pages already rendered, not one render at a time; and while rendered
     pages wait, the requests in flight are at the limit. The stand-in holds every request

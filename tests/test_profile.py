@@ -93,7 +93,7 @@ def test_kv_cache_below_floor_is_fatal() -> None:
 
 
 def test_kv_cache_raises_utilization_only_as_far_as_free_memory_allows() -> None:
-    """Issue 16 #4: 10 % of the GPU free is not room for +0.05 on top of 0.86 (free 0.89 −
+    """10 % of the GPU free is not room for +0.05 on top of 0.86 (free 0.89 −
     margin = 0.86): the raise is capped there, so the ladder goes on to enforce_eager
     instead of asking for 0.91, which fails "utilization too high" at the next start."""
     gpu = GpuFacts(total_gib=79.19, free_gib=70.48)  # 0.89 free once the engine is gone
@@ -105,7 +105,7 @@ def test_kv_cache_raises_utilization_only_as_far_as_free_memory_allows() -> None
 
 
 def test_ladder_never_returns_to_a_profile_that_failed() -> None:
-    """Issue 16 #4: a step that leads back to a profile that already failed goes on from
+    """A step that leads back to a profile that already failed goes on from
     there as that profile's own failure directs (0.86 ran out of KV cache → eager)."""
     at_086 = MemoryProfile(gpu_memory_utilization=0.86)
     at_091 = MemoryProfile(gpu_memory_utilization=0.91)

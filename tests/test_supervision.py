@@ -102,7 +102,7 @@ def spawns(folder: Path) -> list[dict[str, Any]]:
 
 
 def test_stale_session_file_never_kills_an_unrelated_process(tmp_path: Path) -> None:
-    """Issue 16 #1: a session file left from before (a bare session id, as older daemons
+    """A session file left from before (a bare session id, as older daemons
     wrote, or an identity whose token the process does not carry — the number was reused
     after a reboot) does not get an unrelated `setsid sleep` killed."""
     python = write_standin(tmp_path / "engine", {})
@@ -134,7 +134,7 @@ def test_stale_session_file_never_kills_an_unrelated_process(tmp_path: Path) -> 
 def test_stop_also_kills_descendants_that_left_the_session(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #8: an engine child that called setsid() is stopped with the engine
+    """An engine child that called setsid() is stopped with the engine
     (found through the engine's token), and the stop says so in the log."""
     folder = tmp_path / "engine"
     python = write_standin(folder, {"setsid_grandchild": True})
@@ -204,7 +204,7 @@ def wait_engine(sock: Path, proc: subprocess.Popen[bytes], log: Path, state: str
 def test_kill9_daemon_next_start_stops_its_engine_and_setsid_children(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #1/#8: `kill -9` of the daemon leaves its engine and the engine's setsid
+    """`kill -9` of the daemon leaves its engine and the engine's setsid
     child running; the next daemon finds both through the recorded identity and stops
     them before it spawns its own engine."""
     folder = tmp_path / "engine"
@@ -244,7 +244,7 @@ def test_kill9_daemon_next_start_stops_its_engine_and_setsid_children(
 def test_flag_check_child_failures_are_retried_not_exit_78(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #3: the flag-check child failing to import vLLM, then being killed, is
+    """The flag-check child failing to import vLLM, then being killed, is
     no verdict on the config: the daemon stays up, shows it in status and retries with
     backoff until the check answers and the engine is ready."""
     folder = tmp_path / "engine"
@@ -270,7 +270,7 @@ def test_flag_check_child_failures_are_retried_not_exit_78(
 def test_flag_verdict_exits_78_and_daemon_stopped_says_78(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #3: vLLM's parser refusing a flag is a config error: exit 78, and the
+    """vLLM's parser refusing a flag is a config error: exit 78, and the
     daemon_stopped event logs exit_code=78 (it said 0)."""
     python = write_standin(tmp_path / "engine", {"check_flags": ["bad_flag"]})
     config = daemon_config(tmp_path, python, free_port(), 'extra_args = ["--no-such-flag"]')
@@ -289,7 +289,7 @@ def test_flag_verdict_exits_78_and_daemon_stopped_says_78(
 def test_reload_with_engine_change_keeps_the_watchdog_fed(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #5: while a reload waits for vLLM's flag check (6 s here), the main loop
+    """While a reload waits for vLLM's flag check (6 s here), the main loop
     keeps pinging WATCHDOG=1 (WatchdogSec=1 s: a ping every 0.5 s) and STATUS= says
     what the reload is doing; the new engine then comes up."""
     folder = tmp_path / "engine"
@@ -373,7 +373,7 @@ def foreign_server(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
 def test_port_held_by_a_foreign_server_is_a_failure_not_ready(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #6: a foreign server already answering on the engine's port as the
+    """A foreign server already answering on the engine's port as the
     served model does not make the engine ready: the supervisor does not spawn, fails
     with port_in_use naming the holder, and saves no learned profile."""
     port = free_port()
@@ -406,7 +406,7 @@ def test_port_held_by_a_foreign_server_is_a_failure_not_ready(
 def test_server_that_takes_the_port_after_the_spawn_is_not_our_engine(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #6: a foreign server that binds the port while our engine is still
+    """A foreign server that binds the port while our engine is still
     loading answers /health first; readiness checks that the listener belongs to our
     engine's processes, so this is port_in_use, not ready."""
     port = free_port()
@@ -441,7 +441,7 @@ def test_server_that_takes_the_port_after_the_spawn_is_not_our_engine(
 def test_ladder_does_not_bounce_between_two_profiles(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Issue 16 #4: 89 % of an 80 GB GPU free; 0.9 does not fit ("utilization too
+    """89 % of an 80 GB GPU free; 0.9 does not fit ("utilization too
     high") and the KV cache needs enforce_eager. The ladder goes 0.9 → 0.86 → 0.86 +
     eager → ready, instead of 0.9 → 0.86 → 0.91 → 0.86 → … → fatal."""
     folder = tmp_path / "engine"
@@ -492,7 +492,7 @@ def test_kv_cache_verdict_that_arrives_after_engine_died_still_downshifts(
 
 
 def test_learned_profile_key_covers_what_changes_the_answer(tmp_path: Path) -> None:
-    """Issue 16 #7: a profile learned for one setup is not reused after a change of the
+    """A profile learned for one setup is not reused after a change of the
     [ocr] page budget, extra_args (tensor parallel size), engine.gpus, or the vLLM
     version of engine.python (here another interpreter whose vLLM is 0.0.1)."""
     store = Store.open(tmp_path / "state")

@@ -21,9 +21,10 @@ from chandrad.config import EngineConfig, MemoryConfig, OcrConfig
 from chandrad.engine.budget import RestartBudget
 from chandrad.engine.classify import Diagnosis
 from chandrad.engine.learned import learned_key, vllm_version_of
-from chandrad.engine.planning import engine_plan
+from chandrad.engine.planning import plan_context
 from chandrad.engine.policy import ProfileChange, ProfilePolicy
 from chandrad.engine.profile import GpuFacts, MemoryProfile, initial_profile
+from chandrad.engine.replan import PlanContext
 from chandrad.errors import StoreFull
 from chandrad.events import Event
 
@@ -62,6 +63,8 @@ class ProfileKeeper:
         self.log = log
         #: Called with a change's failure class (or upshift reason) for the metrics.
         self.counted = counted
+        #: The memory plan of the engine's start (None: its model is not here, or remote).
+        self.plan: PlanContext | None = None
         #: The profile in force, the ladder's memory and the upshift probe.
         self.policy = ProfilePolicy(self.initial(engine.memory, engine, ocr), engine.downshift)
         #: Failures in the window, the backoff, restarts so far.
@@ -80,17 +83,19 @@ class ProfileKeeper:
         profile = initial_profile(memory, gib)
         if not engine.supervised:
             return profile
-        plan = engine_plan(
+        context = plan_context(
             engine, profile, ocr or OcrConfig(),
             gpu_total_bytes=None if facts is None or facts.total_gib is None
             else int(facts.total_gib * 2**30),
             gpu_free_bytes=None if facts is None or facts.free_gib is None
             else int(facts.free_gib * 2**30))
-        if plan is None:
+        if ocr is not None:  # the engine's own plan: a memory failure corrects it
+            self.plan = context
+        if context is None:
             return profile
         if ocr is not None:
-            self.log.info("memory_plan", **plan.as_dict())
-        return initial_profile(memory, gib, plan)
+            self.log.info("memory_plan", **context.plan.as_dict())
+        return initial_profile(memory, gib, context.plan)
 
     async def reconfigure(self, engine: EngineConfig, ocr: OcrConfig) -> None:
         """A reloaded ``[engine]``: start over from its profile (or the one learned for it)."""
@@ -145,7 +150,7 @@ class ProfileKeeper:
         outcome = self.policy.after_failure(
             diagnosis, max_pixels=ocr.max_pixels, max_output_tokens=ocr.max_output_tokens,
             gpu=self.gpu.facts(engine.gpus) if self.policy.upshift_fallback is None
-            and engine.downshift.enabled else None)
+            and engine.downshift.enabled else None, plan=self.plan)
         if outcome.fatal:
             return outcome.fatal
         self.record(outcome.change)

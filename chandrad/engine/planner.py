@@ -371,6 +371,17 @@ def plan_engine(shape: ModelShape, memory: MemoryConfig, profile: MemoryProfile,
     the keys ``memory`` leaves ``"auto"``, which the plan then fits; configured keys are kept
     and judged. Without a GPU the budget is ``VLLM_CPU_KVCACHE_SPACE`` of the engine's ``env``
     (else ``kv_cache_memory_bytes``)."""
+    return plan(shape, *engine_inputs(
+        memory, profile, env=env, gpu_total_bytes=gpu_total_bytes,
+        gpu_free_bytes=gpu_free_bytes, cpu_avx512_bf16=cpu_avx512_bf16,
+        page_tokens=page_tokens))
+
+
+def engine_inputs(memory: MemoryConfig, profile: MemoryProfile, *,
+                  env: Mapping[str, str], gpu_total_bytes: int | None = None,
+                  gpu_free_bytes: int | None = None, cpu_avx512_bf16: bool = False,
+                  page_tokens: int = 4096) -> tuple[Budget, Request]:
+    """The budget and request :func:`plan_engine` plans (see there)."""
     device = "gpu" if gpu_total_bytes is not None else "cpu"
     space = env.get("VLLM_CPU_KVCACHE_SPACE", "")
     explicit = profile.kv_cache_memory_bytes
@@ -394,4 +405,4 @@ def plan_engine(shape: ModelShape, memory: MemoryConfig, profile: MemoryProfile,
         default_max_num_seqs=profile.max_num_seqs or seqs,
         default_max_num_batched_tokens=profile.max_num_batched_tokens or tokens,
         default_max_model_len=profile.max_model_len)
-    return plan(shape, budget, request)
+    return budget, request

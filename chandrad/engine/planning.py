@@ -17,6 +17,7 @@ from chandrad import model_files
 from chandrad.config import EngineConfig, OcrConfig
 from chandrad.engine import launch, planner
 from chandrad.engine.profile import MemoryProfile, page_tokens
+from chandrad.engine.replan import PlanContext
 
 
 def _cpuinfo() -> str:
@@ -31,6 +32,16 @@ def engine_plan(engine: EngineConfig, profile: MemoryProfile, ocr: OcrConfig, *,
                 env: Mapping[str, str] | None = None) -> planner.Plan | None:
     """The plan for ``engine`` started at ``profile`` (``"auto"`` resolved, the plan's upper
     bounds); ``env`` is the engine's environment (default: this process's + ``engine.env``)."""
+    context = plan_context(engine, profile, ocr, gpu_total_bytes=gpu_total_bytes,
+                           gpu_free_bytes=gpu_free_bytes, env=env)
+    return None if context is None else context.plan
+
+
+def plan_context(engine: EngineConfig, profile: MemoryProfile, ocr: OcrConfig, *,
+                 gpu_total_bytes: int | None = None, gpu_free_bytes: int | None = None,
+                 env: Mapping[str, str] | None = None) -> PlanContext | None:
+    """:func:`engine_plan` with what it was made from, for a failure to correct
+    (``engine/replan.py``)."""
     env = {**os.environ, **engine.env} if env is None else env
     kwargs = engine.memory.mm_processor_kwargs
     pixels = kwargs.get("max_pixels") if isinstance(kwargs.get("max_pixels"), int) else None
@@ -40,7 +51,8 @@ def engine_plan(engine: EngineConfig, profile: MemoryProfile, ocr: OcrConfig, *,
                                       cache_dir=model_files.hub_cache_dir(env))
     if shape is None:
         return None
-    return planner.plan_engine(
-        shape, engine.memory, profile, env=env, gpu_total_bytes=gpu_total_bytes,
+    budget, request = planner.engine_inputs(
+        engine.memory, profile, env=env, gpu_total_bytes=gpu_total_bytes,
         gpu_free_bytes=gpu_free_bytes, cpu_avx512_bf16=planner.avx512_bf16(_cpuinfo()),
         page_tokens=page_tokens(ocr.max_pixels, ocr.max_output_tokens))
+    return PlanContext(shape, budget, request, planner.plan(shape, budget, request))

@@ -12,12 +12,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chandrad.config import DownshiftConfig
+from chandrad.engine import replan
 from chandrad.engine.classify import Diagnosis
 from chandrad.engine.profile import GpuFacts, MemoryProfile, next_profile
 from chandrad.protocol import ProfileChangeStatus
+
+if TYPE_CHECKING:
+    from chandrad.engine.replan import PlanContext
 
 
 @dataclass
@@ -109,9 +113,10 @@ class ProfilePolicy:
         return kept
 
     def after_failure(self, diag: Diagnosis, *, max_pixels: int, max_output_tokens: int,
-                      gpu: GpuFacts | None) -> FailureOutcome:
+                      gpu: GpuFacts | None, plan: PlanContext | None = None) -> FailureOutcome:
         """A restartable failure: revert a failed upshift probe (and pin), else one step
-        down the ladder (when downshifting is enabled)."""
+        down the ladder (when downshifting is enabled), sized by ``plan`` corrected with
+        the failure's numbers (``engine/replan.py``) where there is one."""
         if self.upshift_fallback is not None:
             fallback, self.upshift_fallback = self.upshift_fallback, None
             self.upshift_pinned = True
@@ -126,9 +131,13 @@ class ProfilePolicy:
             failed=self.failed)
         if decision.profile is None:
             return FailureOutcome(fatal=decision.reason)
-        if decision.profile == self.profile:
+        refined = replan.refine(decision, self.profile, str(diag.cls), diag.numbers, plan)
+        if refined.profile is not None and refined.profile not in self.failed:
+            decision = refined
+        new = decision.profile
+        if new is None or new == self.profile:
             return FailureOutcome()
         self.failed[self.profile] = (str(diag.cls), dict(diag.numbers))
         self.steps_down.append(self.profile)
-        return FailureOutcome(self.change(decision.profile, str(diag.cls), decision.reason,
+        return FailureOutcome(self.change(new, str(diag.cls), decision.reason,
                                           degraded=decision.degraded))
