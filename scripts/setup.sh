@@ -3,11 +3,13 @@
 # there is no NVIDIA GPU), chandrad itself with its dev extras, and the Debian tools the tests
 # use. Idempotent: every step checks first and is skipped when already done.
 #
-# Environment: CHANDRAD_VENV (default <repo>/.venv), CHANDRAD_PYTHON (default python3.11).
+# Environment: CHANDRAD_VENV (default <repo>/.venv), CHANDRAD_PYTHON (default python3.11),
+# CHANDRAD_PINNED_VENV (default <repo>/.venv-pinned: the GPU path's vLLM parser, CPU hosts).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CHANDRAD_VENV:-$REPO/.venv}"
+PINNED_VENV="${CHANDRAD_PINNED_VENV:-$REPO/.venv-pinned}"
 BASE_PYTHON="${CHANDRAD_PYTHON:-python3.11}"
 TORCH_VERSION="2.13.0"
 CPU_ONLY_CONFLICTS=(torchaudio torchcodec)
@@ -117,6 +119,11 @@ else
     step "torchvision beside the CPU torch (scripts/cpu-torchvision.sh)"
     bash "$REPO/scripts/cpu-torchvision.sh" "$VENV/bin/python"
     done_step "$(installed torchvision) imports"
+
+    # The GPU path's vLLM parser, for tests/test_pinned_parser.py (~10 s, ~200 MB).
+    step "the pinned vLLM's argument parser in $PINNED_VENV (scripts/pinned-vllm.sh)"
+    bash "$REPO/scripts/pinned-vllm.sh" "$VENV/bin/python" "$PINNED_VENV"
+    done_step "builds"
 fi
 
 step "chandrad editable with dev extras"
