@@ -38,7 +38,7 @@ from chandrad.errors import BatchInputError, InputError
 from chandrad.protocol import EngineStatus
 from chandrad.render import RenderPool
 from chandrad.states import JOB_FINISHED, JobState
-from chandrad.store import Job, Store
+from chandrad.store import Job, StoreBackend
 from chandrad.watch import ignored
 
 log = structlog.get_logger("chandrad.batch")
@@ -227,7 +227,7 @@ class BatchRun:
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
     _phase: str = "staging"
 
-    async def run(self, pipeline: Feed, store: Store, engine: Callable[[], EngineStatus],
+    async def run(self, pipeline: Feed, store: StoreBackend, engine: Callable[[], EngineStatus],
                   stop: Callable[[], None]) -> None:
         """Supervised like the daemon's other tasks; ``stop`` ends the daemon's run."""
         watch = pipeline.config.watch[0]
@@ -260,10 +260,10 @@ class BatchRun:
         log.info("batch_finished", files=len(self.entries))
         stop()
 
-    def _progress(self, store: Store, engine: Callable[[], EngineStatus]) -> None:
+    def _progress(self, store: StoreBackend, engine: Callable[[], EngineStatus]) -> None:
         self.on_progress(self.snapshot(store, engine()))
 
-    def snapshot(self, store: Store, engine: EngineStatus) -> Progress:
+    def snapshot(self, store: StoreBackend, engine: EngineStatus) -> Progress:
         jobs = latest_jobs(store)
         total = done = failed = finished = files_failed = 0
         for entry in self.entries:
@@ -310,7 +310,7 @@ class BatchRun:
             engine=state, engine_detail=detail, phase=self._phase)
 
 
-def latest_jobs(store: Store) -> dict[Path, Job]:
+def latest_jobs(store: StoreBackend) -> dict[Path, Job]:
     """The newest job of every inbox name (relative path): a file retried or replaced has
     several jobs, and the newest says how it stands."""
     out: dict[Path, Job] = {}
@@ -334,7 +334,7 @@ class FileResult:
         return self.state in (JobState.DONE.value, "already_done")
 
 
-def summarize(store: Store, entries: list[Entry]) -> list[FileResult]:
+def summarize(store: StoreBackend, entries: list[Entry]) -> list[FileResult]:
     """How every file of the batch stands, from the store (after the daemon stopped)."""
     jobs = latest_jobs(store)
     results = []

@@ -9,6 +9,7 @@ Refused recipe knobs).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tomllib
@@ -47,11 +48,27 @@ OUTPUT_FORMATS = ("md", "html", "json")
 DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
 
+#: Field metadata of a value derived from another key (not a key of its own).
+DERIVED = "derived_from"
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     state_dir: Path = Path("/var/lib/chandrad")
     log_format: str = "auto"
     log_level: str = "info"
+    #: ``daemon.store`` as written: "" (SQLite in ``state_dir``), a directory or
+    #: ``sqlite:<directory>`` (SQLite there), or a ``postgresql://`` URL.
+    store: str = ""
+    #: From ``daemon.store``: the PostgreSQL URL (one queue shared by several hosts), or
+    #: "" for the SQLite store (in ``sqlite_dir``, else ``state_dir``).
+    store_url: str = field(default="", metadata={DERIVED: "store"})
+    #: From ``daemon.store``: the SQLite store's directory when not ``state_dir``.
+    sqlite_dir: Path | None = field(default=None, metadata={DERIVED: "store"})
+    #: ``daemon.host_id``: this host's name in a shared store ("" = the hostname).
+    host_id: str = ""
+    #: ``daemon.lease_s``: seconds a job stays this host's without a heartbeat (PostgreSQL).
+    lease_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -127,10 +144,6 @@ class DownshiftConfig:
     backoff_initial: float = 1.0
     backoff_max: float = 60.0
     upshift_after: float = 1800.0
-
-
-#: Field metadata of a value derived from another key (not a key of its own).
-DERIVED = "derived_from"
 
 
 @dataclass(frozen=True)
@@ -461,7 +474,22 @@ def _daemon(r: _Reader, base: Path) -> DaemonConfig:
         state_dir=r.path("state_dir", d.state_dir, base) or d.state_dir,
         log_format=r.choice("log_format", d.log_format, LOG_FORMATS),
         log_level=r.choice("log_level", d.log_level, LOG_LEVELS),
+        host_id=r.get("host_id", (str,), d.host_id),
+        lease_s=r.number("lease_s", d.lease_s, lo=1.0, hi=3600.0),
     )
+    store = r.get("store", (str,), "")
+    cfg = dataclasses.replace(cfg, store=store)
+    if store.startswith(("postgresql://", "postgres://")):
+        cfg = dataclasses.replace(cfg, store_url=store)
+    elif store.startswith("sqlite:") or "://" not in store:
+        value = store.removeprefix("sqlite:").removeprefix("//")
+        if value:
+            sqlite_dir = Path(value).expanduser()
+            cfg = dataclasses.replace(cfg, sqlite_dir=sqlite_dir if sqlite_dir.is_absolute()
+                                      else base / sqlite_dir)
+    else:
+        r.problem("store", f"{store!r} is neither a path, a sqlite: URL nor a "
+                  "postgresql:// URL", "config_range")
     r.finish()
     return cfg
 

@@ -150,6 +150,24 @@ class StoreFull(ChandradError):
     code = "store_full"
 
 
+class StoreUnreachable(StoreFull):
+    """The store's server (PostgreSQL) cannot be reached: restarted, down, or the network.
+
+    Handled as a full store is: nothing is failed for it, the work waits where the store
+    has it, and every host carries on once it connects again.
+    """
+
+    code = "store_unreachable"
+
+
+class LeaseLost(ChandradError):
+    """Another host took over a job this host was running (its lease expired: this host
+    stalled or lost the store for longer than ``daemon.lease_s``). This host drops the job
+    without touching its files; the new owner finishes it."""
+
+    code = "lease_lost"
+
+
 class EngineUnavailable(ChandradError):
     """The engine could not be reached or did not answer usefully (transport level)."""
 

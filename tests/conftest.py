@@ -18,6 +18,7 @@ import daemon_harness
 import loop_model
 import pytest
 import tiny_chandra2
+from pg_server import PgServer
 from tiny_model import build_tiny_model, cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,17 @@ def loop_model_dir() -> Path:
     """The tiny model's variant whose greedy answer is a repetition loop (tests/loop_model.py),
     built once and reused across sessions like the tiny model."""
     return loop_model.build_loop_model(loop_model.cache_dir(_cache_root()))
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """A real PostgreSQL cluster for the session (tests/pg_server.py); tests take a fresh
+    database each with ``pg_server.new_database()``."""
+    server = PgServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ from chandrad.daemon.wiring import (
     describe_item,
     engine_name,
     make_watch_folders,
-    open_store,
+    open_store_waiting,
     plan_engines,
 )
 from chandrad.engine.dispatch import Dispatcher, engine_status
@@ -52,7 +52,7 @@ from chandrad.metrics import Metrics
 from chandrad.pipeline import Pipeline
 from chandrad.render import RenderPool
 from chandrad.states import DAEMON_TRANSITIONS, DaemonCommand, DaemonState, EngineState
-from chandrad.store import Store
+from chandrad.store import StoreBackend
 from chandrad.systemd import Notifier, WatchdogPinger
 from chandrad.tasks import TaskSupervisor
 from chandrad.watch import FolderWatcher, SettledFile
@@ -90,7 +90,7 @@ class Daemon:
         self.reloader = Reloader(self)
         self.controls = Controls(self)
         # The parts, built by start-up.
-        self.store: Store | None = None
+        self.store: StoreBackend | None = None
         #: One supervisor per engine (engine/replicas.py plans them), engine 0 first; the
         #: pipeline sees them through the dispatcher.
         self.engines: list[EngineSupervisor] = []
@@ -195,7 +195,7 @@ class Daemon:
         for sig, name in signals:
             loop.add_signal_handler(sig, self.queue.put, name)
         self._take_early_signals(dict(signals))
-        self.store = open_store(cfg)
+        self.store = await open_store_waiting(cfg, self.notifier)
         make_watch_folders(cfg)
         if self.batch is None:  # before any process is spawned: an address it never gets is 78
             await self.metrics_listener.start(cfg)

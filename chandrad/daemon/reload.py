@@ -223,6 +223,9 @@ def keep_start_only_settings(running: Config, new: Config) -> tuple[Config, list
     """
     changed = [key for key, old, now in (
         ("daemon.state_dir", running.daemon.state_dir, new.daemon.state_dir),
+        ("daemon.store", running.daemon.store, new.daemon.store),
+        ("daemon.host_id", running.daemon.host_id, new.daemon.host_id),
+        ("daemon.lease_s", running.daemon.lease_s, new.daemon.lease_s),
         ("control.socket", running.control_socket(), new.control_socket()),
         ("control.group", running.control.group, new.control.group),
         ("control.mode", running.control.mode, new.control.mode),
@@ -230,5 +233,8 @@ def keep_start_only_settings(running: Config, new: Config) -> tuple[Config, list
     ) if old != now]
     kept = dataclasses.replace(
         new, control=running.control, metrics=running.metrics,
-        daemon=dataclasses.replace(new.daemon, state_dir=running.daemon.state_dir))
+        daemon=dataclasses.replace(
+            new.daemon, state_dir=running.daemon.state_dir, store=running.daemon.store,
+            store_url=running.daemon.store_url, sqlite_dir=running.daemon.sqlite_dir,
+            host_id=running.daemon.host_id, lease_s=running.daemon.lease_s))
     return kept, changed

@@ -23,10 +23,18 @@ from chandrad import names
 from chandrad.config import Config, key_line
 from chandrad.engine.profile import GpuFacts
 from chandrad.engine.replicas import GpuSlot, ReplicaSpec, plan_replicas
-from chandrad.errors import ConfigError, ConfigProblem, MetricsListenFailed, StateDirInUse
+from chandrad.errors import (
+    ConfigError,
+    ConfigProblem,
+    MetricsListenFailed,
+    StateDirInUse,
+    StoreUnreachable,
+)
 from chandrad.metrics import Metrics, MetricsServer, parse_listen
 from chandrad.pipeline import Settled
-from chandrad.store import Store
+from chandrad.store import Store, StoreBackend
+from chandrad.store.postgres import PgStore
+from chandrad.systemd import Notifier
 from chandrad.watch import folder_problems
 
 log = structlog.get_logger("chandrad.daemon")
@@ -77,12 +85,44 @@ def engine_name(engine_id: str) -> str:
     return "engine" if engine_id == "0" else f"engine-{engine_id}"
 
 
-def open_store(cfg: Config) -> Store:
-    """The store in ``daemon.state_dir``; another live daemon there, or a directory that
-    cannot be used, is a config error on that key. A damaged store raises StoreDamaged
+#: Seconds between two tries to reach a PostgreSQL store at start.
+STORE_RETRY_S = 2.0
+
+
+async def open_store_waiting(cfg: Config, notifier: Notifier) -> StoreBackend:
+    """:func:`open_store`, waiting for a PostgreSQL server that cannot be reached: tried
+    again every ``STORE_RETRY_S``, the journal saying why once and ``STATUS=`` all along
+    (systemd's start timeout extended meanwhile)."""
+    said = False
+    while True:
+        try:
+            return open_store(cfg)
+        except StoreUnreachable as exc:
+            if not said:
+                log.error("store_unreachable", store=exc.details.get("path"),
+                          reason=exc.message, retry_every_s=STORE_RETRY_S)
+                said = True
+            notifier.status(f"waiting for the store: {exc.message}")
+            notifier.extend_timeout(STORE_RETRY_S * 3)
+            await asyncio.sleep(STORE_RETRY_S)
+
+
+def open_store(cfg: Config) -> StoreBackend:
+    """The store ``daemon.store`` names: PostgreSQL (raises StoreUnreachable while the
+    server cannot be reached), or SQLite in ``daemon.state_dir`` (or the directory
+    ``daemon.store`` names). For SQLite another live daemon there, or a directory that
+    cannot be used, is a config error on that key; a damaged store raises StoreDamaged
     (exit 78, the file and the way out named); the check's cost is logged."""
+    if cfg.daemon.store_url:
+        host = cfg.daemon.host_id or socket.gethostname()
+        pg = PgStore.open(cfg.daemon.store_url, host, cfg.daemon.lease_s)
+        log.info("store_opened", store=pg.location, host=host, lease_s=pg.lease_s,
+                 pages_released=pg.recovered.pages_released)
+        return pg
+    key = "daemon.store" if cfg.daemon.sqlite_dir else "daemon.state_dir"
+    state_dir = cfg.daemon.sqlite_dir or cfg.daemon.state_dir
     try:
-        store = Store.open(cfg.daemon.state_dir)
+        store = Store.open(state_dir)
         # A store too large to check within its budget is opened anyway: say so louder.
         (log.info if store.check_complete else log.warning)(
             "store_checked", path=str(store.path), seconds=round(store.check_s, 3),
@@ -91,10 +131,10 @@ def open_store(cfg: Config) -> Store:
     except StateDirInUse as exc:
         message, code = exc.message, exc.code
     except OSError as exc:
-        message = f"cannot open the store in {cfg.daemon.state_dir}: {exc.strerror or exc}"
+        message = f"cannot open the store in {state_dir}: {exc.strerror or exc}"
         code = "config_state_dir"
-    raise ConfigError([ConfigProblem("daemon.state_dir", message, str(cfg.path),
-                                     key_line_of(cfg, "daemon.state_dir"), code)])
+    raise ConfigError([ConfigProblem(key, message, str(cfg.path), key_line_of(cfg, key),
+                                     code)])
 
 
 def make_watch_folders(cfg: Config) -> None:

@@ -23,7 +23,7 @@ from chandrad.config import Config
 from chandrad.errors import StoreFull
 from chandrad.events import Event
 from chandrad.pipeline.content import sha256_file
-from chandrad.store import Store
+from chandrad.store import StoreBackend
 from chandrad.tasks import working_on
 
 log = structlog.get_logger("chandrad.pipeline")
@@ -84,7 +84,7 @@ def _hash_all(items: list[Settled]) -> list[tuple[Settled, str | None]]:
 class Intake:
     """The queue of settled files and the loop that accepts them."""
 
-    def __init__(self, config: Config, store: Store, room: StoreRoom,
+    def __init__(self, config: Config, store: StoreBackend, room: StoreRoom,
                  accepted: Callable[[], None]) -> None:
         self.config = config
         self.store = store

@@ -31,7 +31,7 @@ from chandrad.pipeline.content import find_moved, fingerprint, is_under
 from chandrad.pipeline.worker import PageWorker
 from chandrad.render import RenderPool
 from chandrad.states import JobState, PageState
-from chandrad.store import Job, Store
+from chandrad.store import Job, StoreBackend
 
 log = structlog.get_logger("chandrad.pipeline")
 
@@ -39,8 +39,8 @@ log = structlog.get_logger("chandrad.pipeline")
 class JobRunner:
     """Runs one dispatched job to its outcome; raises what it cannot record."""
 
-    def __init__(self, config: Config, store: Store, engine: EngineHandle, render: RenderPool,
-                 worker: PageWorker, new_work: Callable[[], None]) -> None:
+    def __init__(self, config: Config, store: StoreBackend, engine: EngineHandle,
+                 render: RenderPool, worker: PageWorker, new_work: Callable[[], None]) -> None:
         self.config = config
         self.store = store
         self.engine = engine

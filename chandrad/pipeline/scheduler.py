@@ -40,6 +40,7 @@ from chandrad.errors import (
     ChandradError,
     InputError,
     InternalError,
+    LeaseLost,
     OutputUnwritable,
     StoreFull,
 )
@@ -52,7 +53,7 @@ from chandrad.pipeline.worker import PageWorker
 from chandrad.protocol import HeldJob, HeldStatus
 from chandrad.render import RenderPool
 from chandrad.states import PIPELINE_TRANSITIONS, JobState, PageState, PipelineMode
-from chandrad.store import Job, Store
+from chandrad.store import Job, StoreBackend
 from chandrad.tasks import cancel_and_wait
 
 log = structlog.get_logger("chandrad.pipeline")
@@ -81,7 +82,7 @@ class Pipeline:
     """Runs accepted jobs to completion while the daemon lets it dispatch."""
 
     def __init__(
-        self, config: Config, store: Store, engine: EngineHandle, render: RenderPool
+        self, config: Config, store: StoreBackend, engine: EngineHandle, render: RenderPool
     ) -> None:
         self.store = store
         self.engine = engine
@@ -264,6 +265,10 @@ class Pipeline:
                 self._held_retry.pop(job.id, None)
             except (StoreFull, asyncio.CancelledError):
                 raise
+            except LeaseLost as exc:  # another host owns the job now: leave it, touch nothing
+                log.warning("job_lease_lost", job=job.id, file=names.display(job.abs_path),
+                            owner=exc.details.get("owner"), reason=exc.message)
+                return
             except OutputUnwritable as exc:
                 self._hold(job, exc)
             except InputError as exc:
@@ -351,7 +356,7 @@ class Pipeline:
             jobs += [{"id": job_id, "file": file, "reason": StoreFull.code,
                       "message": self.store_full} for job_id, file in waiting.items()]
             if self.intake.queue:  # not jobs yet: one line for the files waiting in the inbox
-                jobs.append({"file": str(self.store.path), "reason": StoreFull.code,
+                jobs.append({"file": self.store.location, "reason": StoreFull.code,
                              "message": f"{len(self.intake.queue)} settled file(s) wait in "
                                         f"the inbox: {self.store_full}"})
         return {"count": count + len(backoff) + len(held) + len(waiting), "jobs": jobs}

@@ -40,7 +40,7 @@ from chandrad.pipeline.attempts import (
 from chandrad.pipeline.limits import Limits, Slot
 from chandrad.render import RenderPool
 from chandrad.states import PageState
-from chandrad.store import Job, Store
+from chandrad.store import Job, StoreBackend
 
 log = structlog.get_logger("chandrad.pipeline")
 
@@ -64,8 +64,8 @@ class _Sent:
 class PageWorker:
     """Runs pages: :meth:`run` is one page, start to end (many run at once)."""
 
-    def __init__(self, config: Config, store: Store, engine: EngineHandle, render: RenderPool,
-                 limits: Limits, dispatching: asyncio.Event) -> None:
+    def __init__(self, config: Config, store: StoreBackend, engine: EngineHandle,
+                 render: RenderPool, limits: Limits, dispatching: asyncio.Event) -> None:
         self.config = config
         self.store = store
         self.engine = engine

@@ -29,6 +29,8 @@ class StoreBackend(Protocol):
 
     #: What opening repaired after an unclean stop.
     recovered: Recovered
+    #: Where the store is, for messages: a file, or a server's URL without its password.
+    location: str
 
     def close(self) -> None: ...
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any, Protocol
 
 from chandrad.errors import StoreFull
 
@@ -21,8 +22,28 @@ from chandrad.errors import StoreFull
 _FULL_CODES = frozenset({13})  # SQLITE_FULL
 
 
+class SqlDatabase(Protocol):
+    """What the tables (``jobs``, ``pages``, ``profiles``) need of a database, whichever
+    backend: a connection with ``?`` placeholders, its nesting write transaction, and the
+    two places their SQL differs (``lock_rows``, ``dialect``)."""
+
+    #: ``execute(sql, params)`` returning a cursor, and ``executemany``.
+    conn: Any
+    #: Appended to a read that a transaction's write depends on: ``""`` on SQLite (its
+    #: write transaction already excludes every other writer), ``" FOR UPDATE"`` on
+    #: PostgreSQL (other hosts write at the same time).
+    lock_rows: str
+    #: ``"sqlite"`` or ``"postgresql"``.
+    dialect: str
+
+    def tx(self) -> AbstractContextManager[Any]: ...
+
+
 class Database:
     """One SQLite connection and its write transactions."""
+
+    lock_rows = ""
+    dialect = "sqlite"
 
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self.conn = conn

@@ -21,7 +21,7 @@ from typing import Any
 from chandrad import names
 from chandrad.errors import CANCELLED_CODE, CANCELLED_MESSAGE, InternalError
 from chandrad.states import JOB_FINISHED, JOB_OPEN, JOB_TRANSITIONS, JobState, is_legal
-from chandrad.store.database import Database
+from chandrad.store.database import SqlDatabase
 from chandrad.store.pages import PageTable
 from chandrad.store.records import DUPLICATE_POLICIES, Job
 
@@ -37,7 +37,7 @@ _JOB_COLUMNS = """
 class JobTable:
     """Every accepted input file and where it stands."""
 
-    def __init__(self, db: Database, pages: PageTable) -> None:
+    def __init__(self, db: SqlDatabase, pages: PageTable) -> None:
         self._db = db
         self._pages = pages
 
@@ -102,7 +102,7 @@ class JobTable:
         now = time.time()
         active = c.execute(
             "SELECT id, state, sha256 FROM jobs WHERE abs_path = ? AND state IN "
-            "('pending', 'running', 'held') ORDER BY id",
+            "('pending', 'running', 'held') ORDER BY id" + self._db.lock_rows,
             (names.fsbytes(abs_path),),
         ).fetchall()
         for job_id, state, known_hash in active:
@@ -127,13 +127,16 @@ class JobTable:
             ).fetchone()
             if seen is not None:
                 return None
-        cur = c.execute(
+        # ON CONFLICT: on PostgreSQL a unique index on the active (path, content) pairs
+        # makes two hosts that saw the same file at once accept it once (no row back).
+        row = c.execute(
             "INSERT INTO jobs (watch_index, input_root, path, abs_path, size, mtime, sha256, "
-            "state, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+            "state, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?) "
+            "ON CONFLICT DO NOTHING RETURNING id",
             (watch_index, names.fsbytes(input_root), names.fsbytes(rel),
              names.fsbytes(abs_path), size, mtime, sha256, now, now),
-        )
-        return cur.lastrowid
+        ).fetchone()
+        return None if row is None else int(row[0])
 
     def supersede(self, job_id: int, size: int, mtime: float, sha256: str,
                   duplicates: str = "process") -> Job | None:
@@ -144,8 +147,8 @@ class JobTable:
         new work, e.g. already queued or skipped as a duplicate)."""
         with self._db.tx() as c:
             row = c.execute(
-                "SELECT watch_index, input_root, abs_path, state FROM jobs WHERE id = ?",
-                (job_id,)).fetchone()
+                "SELECT watch_index, input_root, abs_path, state FROM jobs WHERE id = ?"
+                + self._db.lock_rows, (job_id,)).fetchone()
             if row is None:
                 raise InternalError(f"job {job_id} does not exist", job=job_id)
             watch_index, input_root, abs_path, state = row
@@ -172,12 +175,12 @@ class JobTable:
         if limit <= 0 or not roots:
             return []
         root_marks = ", ".join("?" * len(roots))
-        id_marks = ", ".join("?" * len(exclude))
+        not_ids = f"AND j.id NOT IN ({', '.join('?' * len(exclude))}) " if exclude else ""
         out: list[Job] = []
         for state in (JobState.RUNNING, JobState.HELD, JobState.PENDING):
             rows = self._db.conn.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.state = ? "
-                f"AND j.input_root IN ({root_marks}) AND j.id NOT IN ({id_marks}) "
+                f"AND j.input_root IN ({root_marks}) {not_ids}"
                 "ORDER BY j.id LIMIT ?",
                 (state.value, *(names.fsbytes(r) for r in roots), *exclude, limit - len(out)),
             ).fetchall()
@@ -207,15 +210,16 @@ class JobTable:
         per input folder ever used (a handful), not a scan of the backlog."""
         out: list[bytes] = []
         root = b""
+        index = " INDEXED BY jobs_by_root" if self._db.dialect == "sqlite" else ""
         while True:
             row = self._db.conn.execute(
-                "SELECT input_root FROM jobs INDEXED BY jobs_by_root WHERE input_root > ? "
+                f"SELECT input_root FROM jobs{index} WHERE input_root > ? "
                 "ORDER BY input_root LIMIT 1", (root,)).fetchone()
             if row is None:
                 return out
-            root = row[0]
+            root = bytes(row[0])
             if self._db.conn.execute(
-                    "SELECT 1 FROM jobs INDEXED BY jobs_by_root WHERE input_root = ? "
+                    f"SELECT 1 FROM jobs{index} WHERE input_root = ? "
                     "AND state IN ('pending', 'running', 'held') LIMIT 1",
                     (root,)).fetchone():
                 out.append(root)
@@ -308,7 +312,8 @@ class JobTable:
             c.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))
 
     def _job_state(self, job_id: int) -> JobState:
-        row = self._db.conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self._db.conn.execute("SELECT state FROM jobs WHERE id = ?" + self._db.lock_rows,
+                                    (job_id,)).fetchone()
         if row is None:
             raise InternalError(f"job {job_id} does not exist", job=job_id)
         return JobState(row[0])
@@ -331,7 +336,8 @@ class JobTable:
 
     def _retry_one(self, job_id: int) -> bool:
         c = self._db.conn
-        row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = c.execute("SELECT state FROM jobs WHERE id = ?" + self._db.lock_rows,
+                        (job_id,)).fetchone()
         if row is None or not is_legal(JOB_TRANSITIONS, JobState(row[0]), JobState.PENDING):
             return False
         c.execute(
@@ -346,7 +352,8 @@ class JobTable:
         """Cancel a pending, running or held job, with error ``cancelled`` (what its
         ``error.json`` says); False when it does not exist or already ended."""
         with self._db.tx() as c:
-            row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = c.execute("SELECT state FROM jobs WHERE id = ?" + self._db.lock_rows,
+                            (job_id,)).fetchone()
             if row is None or JobState(row[0]) not in JOB_OPEN:
                 return False
             now = time.time()

@@ -3,7 +3,7 @@
 A page moves along ``PAGE_TRANSITIONS`` only; each move is one transaction that checks the
 page's current state first (an illegal move raises InternalError and changes nothing).
 Steps that belong to a job's own transaction (its content replaced, its retry) join the
-caller's transaction (``Database.tx`` nests).
+caller's transaction (``tx`` nests).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from chandrad import names
 from chandrad.errors import InternalError
 from chandrad.states import PAGE_TRANSITIONS, PageState, is_legal
-from chandrad.store.database import Database
+from chandrad.store.database import SqlDatabase
 from chandrad.store.records import Page
 
 _PAGE_COLUMNS = """
@@ -27,22 +27,23 @@ _PAGE_COLUMNS = """
 _REQUEUE = "UPDATE pages SET state = 'pending', started_at = NULL "
 #: An in-flight page given back without an answer: the attempt is returned, a release
 #: counted (the engine died under it, or the daemon stopped).
-_RELEASE = ("UPDATE pages SET state = 'pending', attempts = MAX(attempts - 1, 0), "
+_RELEASE = ("UPDATE pages SET state = 'pending', "
+            "attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END, "
             "releases = releases + 1, started_at = NULL ")
 
 
 class PageTable:
     """The pages of every job."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: SqlDatabase) -> None:
         self._db = db
 
     def create(self, job_id: int, count: int) -> None:
         """Pages ``0..count-1`` of a job as pending; those that exist are kept."""
         with self._db.tx() as c:
             c.executemany(
-                "INSERT OR IGNORE INTO pages (job_id, page_index, state) "
-                "VALUES (?, ?, 'pending')",
+                "INSERT INTO pages (job_id, page_index, state) "
+                "VALUES (?, ?, 'pending') ON CONFLICT DO NOTHING",
                 ((job_id, i) for i in range(count)),
             )
 
@@ -109,7 +110,7 @@ class PageTable:
         """Give every in-flight page back to the queue (engine died, or the daemon stopped
         without doing so); returns how many."""
         with self._db.tx() as c:
-            return c.execute(_RELEASE + "WHERE state = 'in_flight'").rowcount
+            return int(c.execute(_RELEASE + "WHERE state = 'in_flight'").rowcount)
 
     def requeue_in_flight(self, job_id: int) -> None:
         """A job's in-flight pages back to pending, attempts as they are (its input was
@@ -146,7 +147,8 @@ class PageTable:
 
     def _check(self, job_id: int, index: int, new: PageState) -> None:
         row = self._db.conn.execute(
-            "SELECT state FROM pages WHERE job_id = ? AND page_index = ?", (job_id, index)
+            "SELECT state FROM pages WHERE job_id = ? AND page_index = ?"
+            + self._db.lock_rows, (job_id, index)
         ).fetchone()
         if row is None:
             raise InternalError(f"job {job_id} has no page {index}", job=job_id, page=index)

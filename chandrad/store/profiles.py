@@ -10,13 +10,13 @@ import json
 import time
 from typing import Any
 
-from chandrad.store.database import Database
+from chandrad.store.database import SqlDatabase
 
 
 class ProfileTable:
     """Learned engine profiles by key."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: SqlDatabase) -> None:
         self._db = db
 
     def save(self, key: str, profile: dict[str, Any]) -> None:

@@ -11,35 +11,29 @@ transaction, handed to the table that owns the SQL (``jobs``, ``pages``, ``profi
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 from chandrad.errors import StoreDamaged
-from chandrad.states import JobState
 from chandrad.store import guard
 from chandrad.store.database import Database
 from chandrad.store.guard import DB_NAME, StateDirLock, UsedMarker
-from chandrad.store.jobs import JobTable
-from chandrad.store.pages import PageTable
-from chandrad.store.profiles import ProfileTable
-from chandrad.store.records import Job, Page, Recovered
+from chandrad.store.operations import TableStore
+from chandrad.store.records import Job, Recovered
 from chandrad.store.schema import migrate, schema_version
 
 
-class Store:
+class Store(TableStore):
     """The SQLite store. Build with :meth:`open`; use from one thread."""
 
     def __init__(self, db: Database, lock: StateDirLock) -> None:
+        super().__init__(db)
         self._db = db
         self._lock = lock
-        self._pages = PageTable(db)
-        self._jobs = JobTable(db, self._pages)
-        self._profiles = ProfileTable(db)
         self._marker = UsedMarker(db.path)
         self.path = db.path
-        self.recovered = Recovered()
+        self.location = str(db.path)
         #: ``PRAGMA quick_check`` at open: seconds it took, and whether it covered the
         #: whole store within ``guard.CHECK_BUDGET_S``.
         self.check_s = 0.0
@@ -111,133 +105,19 @@ class Store:
         """A write transaction (``Database.tx``), for tests that change rows directly."""
         return self._db.tx()
 
-    # -- jobs: chandrad.store.jobs ---------------------------------------------------
+    # -- jobs: the used marker follows the first job (``guard.UsedMarker``) ----------
 
     def accept(self, watch_index: int, input_root: Path, path: Path, size: int, mtime: float,
                sha256: str, duplicates: str = "process") -> Job | None:
         """A settled file as a new pending job; ``None`` when it is not new work
         (:meth:`JobTable.accept`)."""
-        job = self._jobs.accept(watch_index, input_root, path, size, mtime, sha256,
-                                      duplicates)
+        job = super().accept(watch_index, input_root, path, size, mtime, sha256, duplicates)
         self._marker.mark(job is not None)
         return job
 
     def accept_many(self, items: Iterable[tuple[int, Path, Path, int, float, str]],
                     duplicates: str = "process") -> list[Job]:
         """:meth:`accept` for a backlog in one transaction (:meth:`JobTable.accept_many`)."""
-        jobs = self._jobs.accept_many(items, duplicates)
+        jobs = super().accept_many(items, duplicates)
         self._marker.mark(bool(jobs))
         return jobs
-
-    def supersede(self, job_id: int, size: int, mtime: float, sha256: str,
-                  duplicates: str = "process") -> Job | None:
-        """End a job whose input was replaced, accept the new content
-        (:meth:`JobTable.supersede`)."""
-        return self._jobs.supersede(job_id, size, mtime, sha256, duplicates)
-
-    def next_jobs(self, roots: Collection[Path], exclude: Collection[int],
-                  limit: int) -> list[Job]:
-        """Jobs to start, resumed ones first (:meth:`JobTable.next_jobs`)."""
-        return self._jobs.next_jobs(roots, exclude, limit)
-
-    def active_outside(self, roots: Collection[Path], limit: int = 20) -> tuple[int, list[Job]]:
-        """Open jobs of watches no longer configured (:meth:`JobTable.active_outside`)."""
-        return self._jobs.active_outside(roots, limit)
-
-    def get(self, job_id: int) -> Job | None:
-        """The job with this id, or ``None``."""
-        return self._jobs.get(job_id)
-
-    def find_active(self, abs_path: Path) -> Job | None:
-        """The pending, running or held job for this input path, if any."""
-        return self._jobs.find_active(abs_path)
-
-    def next_pending(self, limit: int = 1) -> list[Job]:
-        """The oldest pending jobs, oldest first."""
-        return self._jobs.next_pending(limit)
-
-    def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[Job]:
-        """Jobs, oldest first, optionally only those in ``state`` (:meth:`JobTable.list_jobs`)."""
-        return self._jobs.list_jobs(state, limit)
-
-    def set_job_state(self, job_id: int, state: JobState, *, error_code: str | None = None,
-                      error_message: str | None = None, pages_total: int | None = None,
-                      output_dir: Path | None = None, final_path: Path | None = None) -> None:
-        """Move a job along a legal edge (:meth:`JobTable.set_job_state`)."""
-        self._jobs.set_job_state(job_id, state, error_code=error_code,
-                                       error_message=error_message, pages_total=pages_total,
-                                       output_dir=output_dir, final_path=final_path)
-
-    def retry(self, job_id: int) -> bool:
-        """Requeue a failed, partial or cancelled job (:meth:`JobTable.retry`)."""
-        return self._jobs.retry(job_id)
-
-    def retry_all_failed(self) -> int:
-        """Requeue every failed job; returns how many."""
-        return self._jobs.retry_all_failed()
-
-    def cancel(self, job_id: int) -> bool:
-        """Cancel a pending, running or held job (:meth:`JobTable.cancel`)."""
-        return self._jobs.cancel(job_id)
-
-    def counts(self) -> dict[str, int]:
-        """Jobs per state: pending, active (= running), held, done, failed, partial, cancelled."""
-        return self._jobs.counts()
-
-    def init_pages(self, job_id: int, count: int) -> None:
-        """Create a job's pages and set ``pages_total`` (:meth:`JobTable.init_pages`)."""
-        self._jobs.init_pages(job_id, count)
-
-    # -- pages: chandrad.store.pages -------------------------------------------------
-
-    def pages(self, job_id: int) -> list[Page]:
-        """All pages of a job, in page order."""
-        return self._pages.pages(job_id)
-
-    def page(self, job_id: int, index: int) -> Page | None:
-        """One page of a job, or ``None``."""
-        return self._pages.page(job_id, index)
-
-    def claim_page(self, job_id: int, index: int) -> None:
-        """``pending -> in_flight``; charges one attempt."""
-        self._pages.claim(job_id, index)
-
-    def finish_page(self, job_id: int, index: int, *, result: dict[str, Any], width: int,
-                    height: int, seconds: float) -> None:
-        """``in_flight -> done``, storing the parsed result so a restart never recomputes it."""
-        self._pages.finish(job_id, index, result=result, width=width, height=height,
-                                 seconds=seconds)
-
-    def fail_page(self, job_id: int, index: int, error: str) -> None:
-        """``pending|in_flight -> failed`` with the reason."""
-        self._pages.fail(job_id, index, error)
-
-    def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
-        """``in_flight -> pending``, uncharged or charged (:meth:`PageTable.release`)."""
-        self._pages.release(job_id, index, charge=charge)
-
-    def release_all_in_flight(self) -> int:
-        """Give every in-flight page back to the queue (engine died); returns how many."""
-        return self._pages.release_all_in_flight()
-
-    def pages_done_since(self, t: float) -> int:
-        """Pages finished ``done`` at or after wall-clock time ``t`` (for pages/min)."""
-        return self._pages.done_since(t)
-
-    def page_counts(self) -> dict[str, int]:
-        """Pages per state (pending, in_flight, done, failed), over every job."""
-        return self._pages.counts()
-
-    # -- learned profiles: chandrad.store.profiles -----------------------------------
-
-    def save_learned_profile(self, key: str, profile: dict[str, Any]) -> None:
-        """Store the profile that proved stable for ``key`` (model, vLLM, GPU name, count)."""
-        self._profiles.save(key, profile)
-
-    def load_learned_profile(self, key: str) -> dict[str, Any] | None:
-        """The learned profile for ``key``, or ``None``."""
-        return self._profiles.load(key)
-
-    def learned_profile_saved_at(self, key: str) -> float | None:
-        """Wall-clock time the learned profile for ``key`` was last saved, or ``None``."""
-        return self._profiles.saved_at(key)

@@ -1,0 +1,81 @@
+"""Keeping a host's job leases alive on PostgreSQL: a heartbeat thread, its own connection.
+
+:class:`LeaseKeeper` extends ``lease_until`` of every open job this host owns, every
+``lease_s / 3`` seconds, on a connection of its own (the event loop's connection is used
+from one thread). It runs while the process lives: a host killed stops renewing, and its
+jobs' leases expire ``lease_s`` after the last beat at most. Lease times are the server's
+clock (``NOW``), so hosts' clocks need not agree. A lost server is retried at the next
+beat; a beat that fails says so once in the journal.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+
+from chandrad.errors import StoreFull
+from chandrad.store.pg_database import PgDatabase
+
+log = structlog.get_logger("chandrad.store")
+
+#: The server's clock in seconds since the epoch, as SQL.
+NOW = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
+
+
+class LeaseKeeper:
+    """The heartbeat of one host's leases."""
+
+    def __init__(self, url: str, host: str, lease_s: float) -> None:
+        self._db = PgDatabase(url)
+        self._host = host
+        self._lease_s = lease_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chandrad-leases", daemon=True)
+        self._failing = False
+        #: Beats that reached the server (tests and status read it).
+        self.beats = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
+
+    def beat(self) -> int:
+        """Renew this host's leases now; returns how many jobs."""
+        with self._db.tx() as c:
+            n = c.execute(
+                f"UPDATE jobs SET lease_until = {NOW} + ? WHERE owner = ? "
+                "AND state IN ('pending', 'running', 'held')",
+                (self._lease_s, self._host)).rowcount
+        self.beats += 1
+        return int(n)
+
+    def give_back(self) -> None:
+        """End this host's leases now (a clean stop): other hosts may take its jobs."""
+        try:
+            with self._db.tx() as c:
+                c.execute(f"UPDATE jobs SET lease_until = {NOW} WHERE owner = ? "
+                          "AND state IN ('pending', 'running', 'held')", (self._host,))
+        except StoreFull as exc:
+            log.warning("leases_not_given_back", reason=exc.message,
+                        expire_in_s=self._lease_s)
+        finally:
+            self._db.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._lease_s / 3):
+            try:
+                self.beat()
+            except StoreFull as exc:
+                if not self._failing:
+                    log.warning("lease_heartbeat_failed", reason=exc.message,
+                                lease_s=self._lease_s)
+                self._failing = True
+                continue
+            if self._failing:
+                log.info("lease_heartbeat_back")
+                self._failing = False

@@ -1,0 +1,126 @@
+"""The PostgreSQL connection: psycopg 3, the tables' ``?`` SQL, one nesting transaction.
+
+A :class:`PgDatabase` is one connection (autocommit; ``tx`` issues ``BEGIN``/``COMMIT``),
+used from one thread. It offers the tables the interface of the SQLite ``Database``
+(``database.SqlDatabase``): ``conn.execute(sql, params)`` with ``?`` placeholders (our SQL
+holds no ``?`` or ``%`` in literals), ``executemany``, and ``tx()`` that an inner ``tx()``
+joins. Reads that a write depends on take their rows ``FOR UPDATE`` (``lock_rows``):
+other hosts write the same tables at the same time.
+
+A lost server (restarted, unreachable) raises :class:`~chandrad.errors.StoreUnreachable`,
+which callers treat as they treat a full store: the work waits where the store has it.
+The next call connects again. A server out of disk raises StoreFull.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from chandrad.errors import StoreFull, StoreUnreachable
+
+#: Seconds a connection attempt may take before the server counts as unreachable.
+CONNECT_TIMEOUT_S = 5
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def _sql(sql: str) -> str:
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+class _Conn:
+    """The tables' view of the connection: sqlite3's ``execute`` with ``?`` marks."""
+
+    def __init__(self, db: PgDatabase) -> None:
+        self._db = db
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        with self._db.reachable():
+            return self._db.raw().execute(_sql(sql), tuple(params))
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        with self._db.reachable(), self._db.raw().cursor() as cur:
+            cur.executemany(_sql(sql), [tuple(r) for r in rows])
+
+
+class PgDatabase:
+    """One PostgreSQL connection and its write transactions; reconnects when lost."""
+
+    lock_rows = " FOR UPDATE"
+    dialect = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.location = safe_url(url)
+        self.conn = _Conn(self)
+        self._raw: psycopg.Connection[Any] | None = None
+        self._depth = 0
+
+    @classmethod
+    def connect(cls, url: str) -> PgDatabase:
+        """Connect now (raises StoreUnreachable when the server cannot be reached)."""
+        db = cls(url)
+        with db.reachable():
+            db.raw()
+        return db
+
+    def raw(self) -> psycopg.Connection[Any]:
+        """The live connection, connecting again if the last one was lost."""
+        if self._raw is None or self._raw.closed or self._raw.broken:
+            if self._depth:
+                raise StoreUnreachable(f"the store {self.location} was lost mid-transaction",
+                                       path=self.location)
+            self._raw = psycopg.connect(self.url, autocommit=True,
+                                        connect_timeout=CONNECT_TIMEOUT_S)
+        return self._raw
+
+    @contextmanager
+    def reachable(self) -> Iterator[None]:
+        """Server-side conditions as chandrad's errors: lost or refused connection →
+        StoreUnreachable; disk full → StoreFull."""
+        try:
+            yield
+        except pg_errors.DiskFull as exc:
+            raise StoreFull(f"the store's server is out of disk: {self.location} cannot "
+                            f"grow ({exc}); free space there and chandrad goes on by itself",
+                            path=self.location) from None
+        except (psycopg.OperationalError, pg_errors.AdminShutdown) as exc:
+            if self._raw is not None and not self._raw.closed and self._raw.broken:
+                self._raw.close()
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StoreUnreachable(f"the store {self.location} cannot be reached ({reason}); "
+                                   "chandrad connects again by itself", path=self.location
+                                   ) from None
+
+    @contextmanager
+    def tx(self) -> Iterator[_Conn]:
+        """One write transaction; inside another ``tx()`` it joins that one."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self.conn
+            finally:
+                self._depth -= 1
+            return
+        with self.reachable():
+            raw = self.raw()
+            try:
+                with raw.transaction():
+                    self._depth = 1
+                    yield self.conn
+            finally:
+                self._depth = 0
+
+    def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None

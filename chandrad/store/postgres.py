@@ -1,0 +1,212 @@
+"""The PostgreSQL store: one database, several hosts (``daemon.store = "postgresql://…"``).
+
+:class:`PgStore` keeps the queue's contract (``StoreBackend``) with the same tables as the
+SQLite store, and adds what sharing it between hosts needs:
+
+- **a file is accepted once cluster-wide**: a unique index on the open jobs' (path,
+  content) and ``INSERT … ON CONFLICT DO NOTHING`` (two hosts watching one inbox);
+- **a job is leased to one host**: :meth:`PgStore.next_jobs` claims the jobs it returns
+  (``owner`` = this host's id, ``lease_until`` = the server's clock + ``lease_s``) with
+  ``FOR UPDATE SKIP LOCKED``, so hosts polling together never get the same job; a job
+  whose lease expired (its host died or lost the database) is claimed by another host and
+  resumed at page granularity: its done pages are kept, the dead host's in-flight pages
+  go back to pending (``JobRunner.run``), nothing done is done again;
+- **leases are kept alive** by a :class:`~chandrad.store.leases.LeaseKeeper` thread with
+  its own connection, every ``lease_s / 3``; a clean close gives the leases back at once;
+- **a host that lost its lease stops touching the job** (fencing): every page and job
+  step checks, in its own transaction, that the job is still this host's, else raises
+  LeaseLost and changes nothing; the host that owns the job writes its outputs and moves
+  its input;
+- **at open, only this host's in-flight pages are released** (on SQLite: all of them);
+  another host's pages are not ours to release, its lease expiry hands them over;
+- **learned profiles stay per host** (they are per GPU): keys are prefixed with the host id.
+
+Idle hosts find new work by the dispatcher's poll (every second), not LISTEN/NOTIFY.
+Use from one thread (the event loop's), like the SQLite store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from chandrad import names
+from chandrad.errors import LeaseLost
+from chandrad.states import JobState
+from chandrad.store.jobs import _JOB_COLUMNS, job_from_row
+from chandrad.store.leases import NOW, LeaseKeeper
+from chandrad.store.operations import TableStore
+from chandrad.store.pages import _RELEASE
+from chandrad.store.pg_database import PgDatabase
+from chandrad.store.pg_schema import migrate, schema_version
+from chandrad.store.records import Job, Recovered
+
+#: Default seconds a job stays leased to its host without a heartbeat (``daemon.lease_s``).
+DEFAULT_LEASE_S = 30.0
+
+
+class PgStore(TableStore):
+    """The PostgreSQL store of one host. Build with :meth:`open`; use from one thread."""
+
+    def __init__(self, db: PgDatabase, host: str, lease_s: float) -> None:
+        super().__init__(db)
+        self._db = db
+        self.host = host
+        self.lease_s = lease_s
+        self.location = db.location
+        self._keeper = LeaseKeeper(db.url, host, lease_s)
+
+    @classmethod
+    def open(cls, url: str, host: str, lease_s: float = DEFAULT_LEASE_S) -> PgStore:
+        """Connect, migrate, release this host's in-flight pages, start the heartbeat.
+
+        Raises:
+            StoreUnreachable: the server cannot be reached (nothing was changed).
+            InternalError: the database's schema is newer than this chandrad.
+        """
+        db = PgDatabase.connect(url)
+        try:
+            migrate(db)
+            store = cls(db, host, lease_s)
+            store.recovered = store._recover()
+        except BaseException:
+            db.close()
+            raise
+        store._keeper.start()
+        return store
+
+    def _recover(self) -> Recovered:
+        with self._db.tx() as c:
+            released = c.execute(
+                _RELEASE + "WHERE state = 'in_flight' AND job_id IN "
+                "(SELECT id FROM jobs WHERE owner = ?)", (self.host,)).rowcount
+            running = c.execute("SELECT COUNT(*) FROM jobs WHERE state = 'running' "
+                                "AND owner = ?", (self.host,)).fetchone()[0]
+        return Recovered(pages_released=int(released), jobs_running=int(running))
+
+    def close(self) -> None:
+        """Stop the heartbeat, give this host's leases back (others may take its jobs at
+        once), close the connection."""
+        self._keeper.stop()
+        try:
+            self._keeper.give_back()
+        finally:
+            self._db.close()
+
+    def schema_version(self) -> int:
+        return schema_version(self._db)
+
+    def _tx(self) -> AbstractContextManager[Any]:
+        """A write transaction (``PgDatabase.tx``), for tests that change rows directly."""
+        return self._db.tx()
+
+    # -- claiming jobs ---------------------------------------------------------------
+
+    def next_jobs(self, roots: Collection[Path], exclude: Collection[int],
+                  limit: int) -> list[Job]:
+        """Jobs to start, claimed for this host (``SELECT … FOR UPDATE SKIP LOCKED``):
+        running ones first (this host's own, or any whose lease expired), then held, then
+        pending, each oldest first; only those of ``roots`` and not in ``exclude``."""
+        if limit <= 0 or not roots:
+            return []
+        root_marks = ", ".join("?" * len(roots))
+        not_ids = f"AND id NOT IN ({', '.join('?' * len(exclude))}) " if exclude else ""
+        ids: list[int] = []
+        for state in (JobState.RUNNING, JobState.HELD, JobState.PENDING):
+            with self._db.tx() as c:
+                rows = c.execute(
+                    f"UPDATE jobs SET owner = ?, lease_until = {NOW} + ? WHERE id IN ("
+                    f"SELECT id FROM jobs WHERE state = ? AND input_root IN ({root_marks}) "
+                    f"{not_ids}AND (owner IS NULL OR owner = ? OR lease_until < {NOW}) "
+                    "ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED) RETURNING id",
+                    (self.host, self.lease_s, state.value,
+                     *(names.fsbytes(r) for r in roots), *exclude, self.host,
+                     limit - len(ids))).fetchall()
+            ids += sorted(int(r[0]) for r in rows)
+            if len(ids) >= limit:
+                break
+        if not ids:
+            return []
+        rows = self._db.conn.execute(
+            f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE j.id IN ({', '.join('?' * len(ids))})",
+            ids).fetchall()
+        by_id = {int(r[0]): job_from_row(r) for r in rows}
+        return [by_id[i] for i in ids if i in by_id]
+
+    def owner(self, job_id: int) -> tuple[str | None, float | None]:
+        """The host a job is leased to and the seconds its lease has left (negative:
+        expired), or ``(None, None)``."""
+        row = self._db.conn.execute(
+            f"SELECT owner, lease_until - {NOW} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return (None, None) if row is None else (row[0], row[1])
+
+    def _fence(self, job_id: int) -> None:
+        """Raise LeaseLost unless the job is this host's; one no host owns becomes this
+        host's (a step on it is a claim). Locks its row for the caller's transaction."""
+        row = self._db.conn.execute("SELECT owner FROM jobs WHERE id = ? FOR UPDATE",
+                                    (job_id,)).fetchone()
+        if row is not None and row[0] is None:
+            self._db.conn.execute(f"UPDATE jobs SET owner = ?, lease_until = {NOW} + ? "
+                                  "WHERE id = ?", (self.host, self.lease_s, job_id))
+        elif row is not None and row[0] != self.host:
+            raise LeaseLost(f"job {job_id} was taken over by host {row[0]} (this host's "
+                            "lease expired); this host leaves it", job=job_id, owner=row[0])
+
+    # -- the steps of a job's run, fenced ----------------------------------------------
+
+    def set_job_state(self, job_id: int, state: JobState, *, error_code: str | None = None,
+                      error_message: str | None = None, pages_total: int | None = None,
+                      output_dir: Path | None = None, final_path: Path | None = None) -> None:
+        with self._db.tx():
+            self._fence(job_id)
+            super().set_job_state(job_id, state, error_code=error_code,
+                                  error_message=error_message, pages_total=pages_total,
+                                  output_dir=output_dir, final_path=final_path)
+
+    def init_pages(self, job_id: int, count: int) -> None:
+        with self._db.tx():
+            self._fence(job_id)
+            super().init_pages(job_id, count)
+
+    def claim_page(self, job_id: int, index: int) -> None:
+        with self._db.tx():
+            self._fence(job_id)
+            super().claim_page(job_id, index)
+
+    def finish_page(self, job_id: int, index: int, *, result: dict[str, Any], width: int,
+                    height: int, seconds: float) -> None:
+        with self._db.tx():
+            self._fence(job_id)
+            super().finish_page(job_id, index, result=result, width=width, height=height,
+                                seconds=seconds)
+
+    def fail_page(self, job_id: int, index: int, error: str) -> None:
+        with self._db.tx():
+            self._fence(job_id)
+            super().fail_page(job_id, index, error)
+
+    def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
+        with self._db.tx():
+            self._fence(job_id)
+            super().release_page(job_id, index, charge=charge)
+
+    def release_all_in_flight(self) -> int:
+        """Give this host's in-flight pages back (its engine died); other hosts' pages
+        are theirs."""
+        with self._db.tx() as c:
+            return int(c.execute(
+                _RELEASE + "WHERE state = 'in_flight' AND job_id IN "
+                "(SELECT id FROM jobs WHERE owner = ?)", (self.host,)).rowcount)
+
+    # -- learned profiles: per host ----------------------------------------------------
+
+    def save_learned_profile(self, key: str, profile: dict[str, Any]) -> None:
+        super().save_learned_profile(f"{self.host}/{key}", profile)
+
+    def load_learned_profile(self, key: str) -> dict[str, Any] | None:
+        return super().load_learned_profile(f"{self.host}/{key}")
+
+    def learned_profile_saved_at(self, key: str) -> float | None:
+        return super().learned_profile_saved_at(f"{self.host}/{key}")
