@@ -23,6 +23,7 @@ with its log's tail.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import re
@@ -186,6 +187,27 @@ def kill_all(pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not: it has exited, unreaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def fill_until_full(path: Path) -> None:
+    """Write ``path`` until its filesystem says ENOSPC (any other error fails the test)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)
 
 
 def drop(src: Path, inbox: Path, name: str | None = None) -> Path:

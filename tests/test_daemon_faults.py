@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import OCR_REAL_ENGINE, Daemon, Job, drop, real_engine
+from daemon_harness import OCR_REAL_ENGINE, Daemon, Job, drop, fill_until_full, real_engine
 
 from chandrad import names
 
@@ -47,17 +47,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
         subprocess.run(["umount", "-l", str(d.output)], check=False)
 
 
-def fill(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, b"\0" * 65536)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def wait_state(d: Daemon, name: str, states: set[str], timeout: float = 300) -> Job:
     return d.wait_job(name, f"state in {sorted(states)}", timeout,
                       lambda job: job["state"] in states, every=0.5)
@@ -70,7 +59,7 @@ def test_full_output_disk_holds_the_job_and_resumes_without_recompute(
     no output is left half written, status shows it held, the log has one warning and no
     traceback. Space freed: it completes on its own, its pages not recomputed."""
     filler = daemon.output / "filler"
-    fill(filler)
+    fill_until_full(filler)
     name = "held.png"
     drop(corpus_dir / "good/image_hi-devanagari.png", daemon.inbox, name)
     job = wait_state(daemon, name, {"held", "failed", "done", "partial"})

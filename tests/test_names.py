@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon_harness import fill_until_full
 
 from chandrad import names
 from chandrad.errors import OutputUnwritable
@@ -126,18 +127,6 @@ def test_store_keeps_exact_bytes_and_migrates_text_rows(tmp_path: Path) -> None:
         store.close()
 
 
-def fill(path: Path) -> None:
-    """Write ``path`` until the filesystem says ENOSPC."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-
-
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 256 KiB tmpfs (tests run as root), unmounted afterwards."""
@@ -159,7 +148,7 @@ def test_full_output_disk_is_output_unwritable_and_leaves_nothing_half_written(
     """ENOSPC while writing a document: OutputUnwritable with errno and path, and no
     output directory or temp file left; once space is back the same call succeeds."""
     filler = tiny_tmpfs / "filler"
-    fill(filler)
+    fill_until_full(filler)
     out_dir = tiny_tmpfs / "out" / "report"
     big = [PageOutput(1, "ok", 1, None, 10, 10, markdown="x" * 20000, html="y" * 20000)]
     with pytest.raises(OutputUnwritable) as caught:

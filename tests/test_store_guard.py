@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon, drop
+from daemon_harness import Daemon, drop, fill_until_full, pid_alive
 from PIL import Image
 from standin_engine import StandinServer, write_standin
 from test_job_errors import Notify
-from test_supervision import alive
 
 from chandrad.store import DB_NAME, LOCK_NAME, USED_MARKER, Store
 
@@ -86,7 +85,7 @@ def test_second_daemon_on_one_state_dir_refuses_before_touching_the_first(
         assert first.proc is not None
         assert str(first.state_dir) in log and f"pid {first.proc.pid}" in log, log
         assert "Traceback" not in log
-        assert alive(engine_pid), "the second daemon killed the first's engine"
+        assert pid_alive(engine_pid), "the second daemon killed the first's engine"
         assert session.read_bytes() == recorded
         assert not (first.state_dir / LOCK_NAME).exists(), "the second wrote a lock file"
         assert first.engine_state() == "ready" and first.engine_pid() == engine_pid
@@ -206,18 +205,6 @@ def store_on_tmpfs(tmp_path: Path) -> Iterator[tuple[Daemon, Notify]]:
         notify.close()
 
 
-def _fill(path: Path) -> None:
-    """Write ``path`` until the filesystem says ENOSPC."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def test_full_store_filesystem_holds_files_in_the_inbox_and_heals(
     store_on_tmpfs: tuple[Daemon, Notify], tmp_path: Path
 ) -> None:
@@ -226,7 +213,7 @@ def test_full_store_filesystem_holds_files_in_the_inbox_and_heals(
     every file is done, by itself."""
     d, notify = store_on_tmpfs
     filler = d.state_dir / "filler"
-    _fill(filler)
+    fill_until_full(filler)
     names = [f"page{i}.png" for i in range(6)]
     for i, name in enumerate(names):
         drop(_page(tmp_path, name, (40 * i, 90, 200 - 30 * i)), d.inbox, name)

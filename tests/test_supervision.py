@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from daemon_harness import pid_alive
 from standin_engine import events, write_standin
 from test_daemon_service import base_env, ctl, wait_answering, write_config
 from waiting import exited, holds_for, wait_until, wait_until_async
@@ -76,14 +77,6 @@ def supervise(sup: EngineSupervisor, body: Callable[[EngineSupervisor], Awaitabl
             await asyncio.wait_for(task, 60)
 
     asyncio.run(main())
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def kill_quietly(*pids: int) -> None:
@@ -144,14 +137,14 @@ def test_stop_also_kills_descendants_that_left_the_session(
     async def body(sup: EngineSupervisor) -> None:
         await wait_until_async(lambda: sup.state is EngineState.READY, 30, "ready")
         grandchild.extend(e["pid"] for e in events(folder) if e["what"] == "grandchild")
-        assert grandchild and alive(grandchild[0])
+        assert grandchild and pid_alive(grandchild[0])
         assert os.getsid(grandchild[0]) != os.getsid(sup.pid or 0)  # it did leave
         sup.request(EngineCommand.STOP)
         await wait_until_async(lambda: sup.state is EngineState.STOPPED, 30, "stopped")
 
     try:
         supervise(sup, body)
-        assert not alive(grandchild[0]), "a setsid descendant of the engine survived the stop"
+        assert not pid_alive(grandchild[0]), "a setsid descendant of the engine survived the stop"
     finally:
         kill_quietly(*grandchild)
 
@@ -221,13 +214,13 @@ def test_kill9_daemon_next_start_stops_its_engine_and_setsid_children(
         assert len(left) == 2
         first.kill()
         first.wait()
-        holds_for(lambda: all(alive(p) for p in left), 0.5,
+        holds_for(lambda: all(pid_alive(p) for p in left), 0.5,
                   "the engine and its child outlive a kill -9'd daemon", every=0.1)
         second = start_daemon(config, log)
         wait_answering(sock, second, log)
         new_engine = wait_engine(sock, second, log, "ready")["engine"]["pid"]
         assert new_engine != old_engine
-        leftovers = [p for p in left if alive(p)]
+        leftovers = [p for p in left if pid_alive(p)]
         assert not leftovers, f"left behind by the killed daemon and still alive: {leftovers}"
         assert "engine_stale_session_killed" in log.read_text()
     finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import pid_alive
 from PIL import Image
 from waiting import wait_until_async
 
@@ -93,14 +94,6 @@ def chat_body() -> dict[str, Any]:
         "max_tokens": 16,
         "temperature": 0.0,
     }
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_kv_cache_too_small_downshifts_learns_reuses_then_kill9_restarts(
@@ -185,7 +178,7 @@ async def kill9_restarts_without_orphans(
     await wait_until_async(lambda: sup.state is not EngineState.READY, 30, "failure noticed")
     await wait_until_async(lambda: sup.state is EngineState.READY, START_TIMEOUT, "ready again")
     timings["restart_to_ready_s"] = time.monotonic() - t1
-    survivors = {p for p in old if alive(p)}
+    survivors = {p for p in old if pid_alive(p)}
     assert not survivors, {p: process_name(p) for p in survivors}
     assert sup.restarts == 1 and sup.pid != api_pid
     assert sup.last_failure is not None
