@@ -20,6 +20,7 @@ from daemon_harness import Daemon, drop, fill_until_full, pid_alive
 from PIL import Image
 from standin_engine import StandinServer, write_standin
 from test_job_errors import Notify
+from waiting import holds_for
 
 from chandrad.store import DB_NAME, LOCK_NAME, USED_MARKER, Store
 
@@ -221,12 +222,16 @@ def test_full_store_filesystem_holds_files_in_the_inbox_and_heals(
     d.wait_for("status says the store is full",
                lambda: any(j.get("reason") == "store_full"
                            for j in (d.ctl_json("status")["held"]["jobs"])), 30)
-    time.sleep(3)  # several retries of intake and dispatch
-    status = d.ctl_json("status")
-    assert not list(d.failed.iterdir()), list(d.failed.iterdir())
-    assert all((d.inbox / n).exists() for n in names)
-    assert all(t["restarts"] == 0 for t in status["tasks"]), status["tasks"]
-    assert not status["daemon"]["degraded"], status["daemon"]
+
+    def held_whole() -> None:
+        """Nothing failed or taken from the inbox, no task restarted, never degraded."""
+        status = d.ctl_json("status")
+        assert not list(d.failed.iterdir()), list(d.failed.iterdir())
+        assert all((d.inbox / n).exists() for n in names)
+        assert all(t["restarts"] == 0 for t in status["tasks"]), status["tasks"]
+        assert not status["daemon"]["degraded"], status["daemon"]
+
+    holds_for(held_whole, 3, every=0.5)  # several retries of intake and dispatch
     assert "STORE FULL" in d.ctl("status").stdout or any(
         "STORE FULL" in s for s in notify.statuses())
     assert any(s.startswith("STORE FULL: ") for s in notify.statuses()), notify.statuses()[-3:]
