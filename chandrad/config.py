@@ -43,7 +43,9 @@ LOG_FORMATS = ("auto", "journal", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WATCH_MODES = ("auto", "inotify", "poll")
 DUPLICATE_POLICIES = ("process", "skip")
-OUTPUT_FORMATS = ("md", "html", "json")
+OUTPUT_FORMATS = ("md", "html", "json", "pdf")
+#: ``ocr.pdf_text_pages``: a PDF page with text of its own keeps it alone, or gets the layer too.
+PDF_TEXT_PAGES = ("skip", "add")
 #: ``vllm serve --dtype`` choices, plus "auto" (chandrad's: bfloat16 on a GPU).
 DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
@@ -95,6 +97,9 @@ class OcrConfig:
     formats: tuple[str, ...] = ("md", "html", "json")
     include_images: bool = True
     include_headers_footers: bool = False
+    #: ``pdf`` output: a PDF page that has text of its own is left alone ("skip") or gets
+    #: the text layer as well ("add").
+    pdf_text_pages: str = "skip"
     min_side_px: int | str = "auto"  # "auto": Chandra's, PDFs 1024 and images 1536
     max_pixels: int = 6291456
     max_pages: int = 5000
@@ -144,6 +149,8 @@ class DownshiftConfig:
     backoff_initial: float = 1.0
     backoff_max: float = 60.0
     upshift_after: float = 1800.0
+
+
 
 
 @dataclass(frozen=True)
@@ -546,6 +553,7 @@ def _ocr(r: _Reader) -> OcrConfig:
         include_images=r.get("include_images", (bool,), d.include_images),
         include_headers_footers=r.get("include_headers_footers", (bool,),
                                       d.include_headers_footers),
+        pdf_text_pages=r.choice("pdf_text_pages", d.pdf_text_pages, PDF_TEXT_PAGES),
         min_side_px=r.number("min_side_px", d.min_side_px, 16, 20000, True, allow=("auto",)),
         max_pixels=r.number("max_pixels", d.max_pixels, 1024, 200_000_000, True),
         max_pages=r.number("max_pages", d.max_pages, 1, 1_000_000, True),

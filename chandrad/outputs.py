@@ -1,7 +1,8 @@
 """Everything chandrad writes to disk for a document, and moving the input away.
 
 Owns the output layout ``<output>/<relative dir>/<stem>/`` (``<stem>.md``,
-``<stem>.html``, ``<stem>.json``, ``<stem>_metadata.json``, extracted images), atomic
+``<stem>.html``, ``<stem>.json``, ``<stem>.pdf``, ``<stem>_metadata.json``, extracted
+images), atomic
 writes (temp file in the same directory, fsync, rename, fsync the directory), moving
 an input to ``done/`` or ``failed/`` without ever overwriting, and ``<name>.error.json``.
 
@@ -289,6 +290,7 @@ def write_document(
     pages: list[PageOutput],
     metadata: dict[str, Any],
     formats: tuple[str, ...],
+    made: dict[str, bytes] | None = None,
 ) -> list[Path]:
     """Write every output of one document atomically; return the paths written.
 
@@ -296,7 +298,8 @@ def write_document(
     ``out_dir``, see the module docstring) plus model, engine profile and timings; page
     counts and per-page summaries are added here. The metadata file is written last,
     so its presence means the document is complete. ``formats`` picks among
-    ``md``, ``html`` and ``json``.
+    ``md``, ``html`` and ``json``; ``made`` holds outputs made elsewhere, by file name
+    (``<stem>.pdf``, made in a render worker), written and claimed like the others.
     """
     pages = sorted(pages, key=lambda p: p.page)
     images, pages = _page_images(pages)
@@ -315,6 +318,7 @@ def write_document(
         files[f"{stem}.html"] = ("\n\n".join(p.html for p in pages if p.html) + "\n").encode()
     if "json" in formats:
         files[f"{stem}.json"] = _json_bytes(_document_json(source or stem, pages))
+    files.update(made or {})
     for name in images:
         if not name or "/" in name or name.startswith(".") or name in (*files, metadata_name):
             raise OutputError(f"refusing image file name {name!r} for {target}")

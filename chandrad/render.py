@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # PyMuPDF (~125 MB resident) and chandra's util/output (~30 MB) are imported inside the
 # functions that run in the worker processes, never in the daemon itself.
 
-from chandrad import malloc, ocr, png
+from chandrad import malloc, ocr, png, textlayer
 from chandrad.errors import (
     DecompressionBomb,
     EmptyInput,
@@ -69,6 +69,15 @@ log = structlog.get_logger(__name__)
 
 #: Image formats Chandra's CLI accepts (chandra/scripts/cli.py), by Pillow format name.
 IMAGE_FORMATS = frozenset({"PNG", "JPEG", "GIF", "WEBP", "TIFF", "BMP", "MPO"})
+#: Decoded by the Pillow chandrad ships, beyond Chandra's list: AVIF (Pillow >= 11.2).
+EXTRA_IMAGE_FORMATS = frozenset({"AVIF"})
+#: ISO-BMFF brands (the ``ftyp`` box) of HEIC/HEIF images, which chandrad refuses: their
+#: decoders (libheif with libde265, as pillow-heif bundles them with x265) are LGPL/GPL.
+HEIF_BRANDS = frozenset({b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm",
+                         b"hevs", b"mif1", b"msf1", b"heif"})
+HEIC_ADVICE = ("HEIC/HEIF images are not supported; convert to JPEG, PNG or AVIF first, "
+               "e.g. `heif-convert in.heic out.jpg` (libheif-examples) or "
+               "`magick in.heic out.jpg` (ImageMagick)")
 #: Formats whose extra frames are pages. Animated GIF/WEBP frames are not pages.
 MULTIPAGE_FORMATS = frozenset({"TIFF"})
 #: Greyscale modes wider than 8 bits (16-bit, 32-bit integer, float); see _wide_grey_to_l.
@@ -147,6 +156,17 @@ def _is_pdf(head: bytes) -> bool:
     return b"%PDF-" in head
 
 
+def is_heif(head: bytes) -> bool:
+    """An ISO-BMFF image whose brands are HEIF's and not AVIF's (an AVIF file may list
+    the generic ``mif1`` too)."""
+    if len(head) < 16 or head[4:8] != b"ftyp":
+        return False
+    size = int.from_bytes(head[:4], "big")
+    box = head[8:min(max(size, 16), len(head))]
+    brands = {box[i:i + 4] for i in range(0, len(box) - 3, 4)} - {box[4:8]}  # no version
+    return not brands & {b"avif", b"avis"} and bool(brands & HEIF_BRANDS)
+
+
 def _mupdf_open(path: Path) -> pymupdf.Document:
     """``pymupdf.open`` by name; MuPDF takes names as UTF-8, so a name that is not
     (undecodable bytes) is opened through ``/proc/self/fd`` of our own descriptor."""
@@ -203,17 +223,19 @@ def _open_image(path: Path) -> Image.Image:
             f"{path.name}: image refused as a decompression bomb: {exc}"
         ) from exc
     except UnidentifiedImageError as exc:
+        if is_heif(_sniff(path)):
+            raise UnsupportedFormat(f"{path.name}: {HEIC_ADVICE}") from exc
         raise UnsupportedFormat(
             f"{path.name}: not a PDF or a supported image (content is not recognised)"
         ) from exc
     except OSError as exc:
         raise InputError(f"{path.name}: image header cannot be read: {exc}") from exc
-    if img.format not in IMAGE_FORMATS:
+    if img.format not in IMAGE_FORMATS | EXTRA_IMAGE_FORMATS:
         fmt = img.format
         img.close()
         raise UnsupportedFormat(
             f"{path.name}: image format {fmt} is not supported "
-            f"(supported: PDF, {', '.join(sorted(IMAGE_FORMATS))})"
+            f"(supported: PDF, {', '.join(sorted(IMAGE_FORMATS | EXTRA_IMAGE_FORMATS))})"
         )
     return img
 
@@ -478,6 +500,68 @@ def render_page(
         return _render_pdf_page(path, index, min_side_px, max_pixels)
     _heavy_call()  # MuPDF's fonts are no use to Pillow
     return _render_image_page(path, index, min_side_px, max_pixels)
+
+
+#: An image's resolution outside this range is taken as missing (72 dpi: a pixel a point).
+_DPI_RANGE = (10.0, 10000.0)
+#: EXIF orientation → degrees PyMuPDF's ``insert_image`` turns the stored JPEG by.
+_JPEG_TURNS = {1: 0, 3: 180, 6: 270, 8: 90}
+
+
+def _dpi(img: Image.Image) -> tuple[float, float]:
+    try:
+        x, y = (float(v) for v in img.info.get("dpi", (72.0, 72.0)))
+    except (TypeError, ValueError):
+        return (72.0, 72.0)
+    lo, hi = _DPI_RANGE
+    return (x, y) if lo <= x <= hi and lo <= y <= hi else (72.0, 72.0)
+
+
+def _frame(path: Path, img: Image.Image, index: int) -> textlayer.Frame:
+    """Page ``index`` of an image input as the searchable PDF embeds it: a JPEG's own
+    bytes (turned by its EXIF orientation), anything else decoded (upright, as rendered
+    for OCR) and stored as PNG (1-bit frames stay 1-bit)."""
+    import io
+
+    img.seek(index)
+    orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+    dpi = _dpi(img)
+    if img.format == "JPEG" and orientation in _JPEG_TURNS and _image_pages(img) == 1:
+        turned = orientation in (6, 8)
+        width, height = (img.height, img.width) if turned else img.size
+        if turned:
+            dpi = (dpi[1], dpi[0])
+        return textlayer.Frame(width, height, dpi, path.read_bytes(), _JPEG_TURNS[orientation])
+    oriented = ImageOps.exif_transpose(img) if orientation in _TURNS else img
+    pixels = oriented if oriented.mode == "1" else _to_page_mode(oriented)
+    buf = io.BytesIO()
+    pixels.save(buf, format="PNG")
+    return textlayer.Frame(pixels.width, pixels.height, dpi, buf.getvalue())
+
+
+def searchable_pdf(path: Path, layouts: list[textlayer.PageLayout], text_pages: str) -> bytes:
+    """The searchable PDF of ``path`` (see :mod:`chandrad.textlayer`): a PDF input with
+    its own pages kept, an image input as one page per frame."""
+    head = _sniff(path)
+    _heavy_call()  # a whole document at once
+    if _is_pdf(head):
+        doc = _open_pdf(path)  # a copy of our own: it is changed
+        try:
+            return textlayer.pdf_with_layer(doc, layouts, text_pages)
+        except InputError:
+            raise
+        except Exception as exc:  # MuPDF on a damaged file
+            raise InputError(f"{path.name}: searchable PDF cannot be made: {exc}") from exc
+        finally:
+            doc.close()
+    img = _open_image(path)
+    try:
+        frames = [_frame(path, img, i) for i in range(min(_image_pages(img), len(layouts)))]
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise InputError(f"{path.name}: image cannot be decoded for the PDF: {exc}") from exc
+    finally:
+        img.close()
+    return textlayer.image_pdf(frames, layouts)
 
 
 def _die_with_parent() -> None:
@@ -866,6 +950,13 @@ class RenderPool:
             text, finish_reason, page.for_answer(text, include_images=include_images),
             urgent=True)
         return result
+
+    async def searchable_pdf(self, path: Path, layouts: list[textlayer.PageLayout],
+                             text_pages: str) -> bytes:
+        """:func:`searchable_pdf` in a worker process."""
+        data: bytes = await self._run(f"{path.name} (pdf output)", searchable_pdf, path,
+                                      layouts, text_pages)
+        return data
 
     async def probe(self, path: Path, max_pages: int) -> DocumentInfo:
         """Probe a file in a worker process."""

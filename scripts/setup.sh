@@ -145,6 +145,9 @@ command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
     || missing+=(prometheus)
 # tmux: `chandractl top` is tested in a real terminal.
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+# poppler-utils + qpdf: tests/test_searchable_pdf.py checks the PDF output with them.
+command -v pdftotext >/dev/null 2>&1 || missing+=(poppler-utils)
+command -v qpdf >/dev/null 2>&1 || missing+=(qpdf)
 # postgresql: tests run a real server (tests/pg_server.py: initdb/pg_ctl in a temp dir).
 [ -x /usr/lib/postgresql/15/bin/initdb ] || missing+=(postgresql)
 # debootstrap + systemd-nspawn: tests/test_systemd_boot.py boots Debian 12 with systemd.

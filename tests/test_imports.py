@@ -40,7 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "chandrad.engine.command", "chandrad.engine.policy", "chandrad.engine.budget",
              "chandrad.engine.progress", "chandrad.engine.inflight", "chandrad.engine.inbox",
              "chandrad.engine.replicas", "chandrad.engine.planner", "chandrad.engine.replan",
-             "chandrad.ocr", "chandrad.pipeline.attempts", "chandrad.pipeline.limits"),
+             "chandrad.ocr", "chandrad.textlayer", "chandrad.pipeline.attempts", "chandrad.pipeline.limits"),
     "adapter": ("chandrad.engine.process", "chandrad.engine.session", "chandrad.engine.learned",
                 "chandrad.engine.flagcache",
                 "chandrad.engine.client", "chandrad.gpu",

@@ -23,8 +23,9 @@ from typing import Any
 
 import structlog
 
-from chandrad import names, outputs
+from chandrad import names, outputs, textlayer
 from chandrad.config import Config, WatchConfig
+from chandrad.errors import InputError
 from chandrad.events import Event
 from chandrad.interfaces import EngineHandle
 from chandrad.pipeline.content import find_moved, fingerprint, is_under
@@ -141,8 +142,11 @@ class JobRunner:
         # One name for the document in output/ and done/ (the same `` (n)``).
         slot = await asyncio.to_thread(outputs.document_slot, watch.output, watch.done,
                                        job.input_root, job.abs_path, metadata, moved)
+        made = await self._searchable_pdf(job, moved or job.abs_path, stem, page_outputs,
+                                          metadata)
         written = await asyncio.to_thread(outputs.write_document, slot.output_dir, stem,
-                                          page_outputs, metadata, self.config.ocr.formats)
+                                          page_outputs, metadata, self.config.ocr.formats,
+                                          made)
         out_dir = written[-1].parent  # another ``(n)`` only if taken since the slot was chosen
         final = moved or self._move_input(job, watch.done, start=slot.suffix)
         if out_dir != slot.output_dir or final != slot.done_path:
@@ -153,6 +157,27 @@ class JobRunner:
         log.info(Event.JOB_DONE, job=job.id, file=names.display(job.path), pages=len(pages),
                  pages_failed=failed, pages_truncated=truncated, seconds=metadata["seconds"],
                  state=state.value, output=names.display(out_dir))
+
+    async def _searchable_pdf(self, job: Job, source: Path, stem: str,
+                              pages: list[outputs.PageOutput],
+                              metadata: dict[str, Any]) -> dict[str, bytes]:
+        """``<stem>.pdf`` when ``ocr.formats`` asks for it, made from the input (where it
+        is now: the inbox, or ``done/`` after a move a crash cut short) in a render
+        worker. A PDF that cannot be made leaves the other outputs alone: the job is
+        done, the reason is logged and kept in the metadata as ``pdf_error``."""
+        if "pdf" not in self.config.ocr.formats:
+            return {}
+        layouts = [textlayer.PageLayout(p.width, p.height, p.blocks if p.status == "ok" else [])
+                   for p in pages]
+        try:
+            data = await self.render.searchable_pdf(source, layouts,
+                                                    self.config.ocr.pdf_text_pages)
+        except InputError as exc:  # RenderCrashed and RenderTimeout too
+            metadata["pdf_error"] = f"{exc.code}: {exc.message}"
+            log.warning("pdf_output_failed", job=job.id, file=names.display(job.path),
+                        code=exc.code, reason=exc.message)
+            return {}
+        return {f"{stem}.pdf": data}
 
     def _move_input(self, job: Job, folder: Path, error_code: str | None = None,
                     error_message: str | None = None, start: int = 0) -> Path:
