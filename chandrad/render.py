@@ -240,6 +240,21 @@ def _open_image(path: Path) -> Image.Image:
     return img
 
 
+def check_format(path: Path) -> None:
+    """Raise what the pipeline would refuse ``path`` for by its kind alone (EmptyInput,
+    UnsupportedFormat): a PDF header, else an image Pillow opens in a supported format.
+    The HTTP API answers 415 with that code before it accepts an upload; anything else
+    (a damaged PDF, a decompression bomb) is found by the job, as for a watched file."""
+    if _is_pdf(_sniff(path)):
+        return
+    try:
+        _open_image(path).close()
+    except (UnsupportedFormat, EmptyInput):
+        raise
+    except InputError:
+        return
+
+
 def _image_pages(img: Image.Image) -> int:
     if img.format in MULTIPAGE_FORMATS:
         return int(getattr(img, "n_frames", 1))

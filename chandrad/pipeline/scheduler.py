@@ -196,11 +196,17 @@ class Pipeline:
 
     def _watches_by_root(self) -> dict[Path, WatchConfig]:
         """Configured watches by their input folder as the watcher resolves it (the
-        ``input_root`` recorded with each job): a job's watch is found by identity."""
+        ``input_root`` recorded with each job): a job's watch is found by identity. The
+        HTTP API's uploads folder is one of them while ``[api]`` is on."""
         out: dict[Path, WatchConfig] = {}
-        for watch in self._config.watch:
+        api = self._config.api_watch()
+        for watch in (*self._config.watch, *((api,) if api else ())):
             out.setdefault(Path(os.path.realpath(watch.input)), watch)
         return out
+
+    def wake(self) -> None:
+        """New jobs may be waiting (the HTTP API accepted one): look now."""
+        self._wake.set()
 
     def _watch_for(self, job: Job) -> WatchConfig | None:
         return self._watches_by_root().get(job.input_root)
