@@ -11,7 +11,6 @@ the downshifted one that serves.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import pytest
 import tiny_model
 from chandra.prompts import PROMPT_MAPPING
 from PIL import Image
+from test_supervision import supervise
 from waiting import wait_until_async
 
 from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConfig
@@ -97,16 +97,7 @@ def test_kv_cache_too_small_downshifts_then_serves_chandra_prompt(
         assert cut["choices"][0]["finish_reason"] == "length", cut
         assert cut["usage"]["completion_tokens"] == 8
 
-    async def run() -> None:
-        sup = EngineSupervisor(cfg, OCR, gpu=NvmlProbe())
-        task = asyncio.create_task(sup.run())
-        try:
-            await body(sup)
-        finally:
-            await sup.shutdown()
-            await asyncio.wait_for(task, 60)
-
-    asyncio.run(run())
+    supervise(EngineSupervisor(cfg, OCR, gpu=NvmlProbe()), body)
     profile = seen["profile"]
     print(f"\nDOWNSHIFT {seen['changes']}\nPROFILE max_model_len={profile.max_model_len} "
           f"kv_cache_memory_bytes={profile.kv_cache_memory_bytes}\n"

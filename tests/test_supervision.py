@@ -66,17 +66,21 @@ def engine_config(python: Path, port: int, **memory: Any) -> EngineConfig:
         downshift=DownshiftConfig(backoff_initial=0.1, backoff_max=0.5, max_restarts=6))
 
 
+async def supervised(sup: EngineSupervisor, body: Callable[[EngineSupervisor], Awaitable[None]],
+                     autostart: bool = True) -> None:
+    """Run ``sup`` while ``body`` runs, then shut it down (its run ends within 60 s)."""
+    task = asyncio.create_task(sup.run(autostart=autostart))
+    try:
+        await body(sup)
+    finally:
+        await sup.shutdown()
+        await asyncio.wait_for(task, 60)
+
+
 def supervise(sup: EngineSupervisor, body: Callable[[EngineSupervisor], Awaitable[None]],
               autostart: bool = True) -> None:
-    async def main() -> None:
-        task = asyncio.create_task(sup.run(autostart=autostart))
-        try:
-            await body(sup)
-        finally:
-            await sup.shutdown()
-            await asyncio.wait_for(task, 60)
-
-    asyncio.run(main())
+    """:func:`supervised` in an event loop of its own."""
+    asyncio.run(supervised(sup, body, autostart))
 
 
 def kill_quietly(*pids: int) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from daemon_harness import pid_alive
 from PIL import Image
+from test_supervision import supervised
 from waiting import wait_until_async
 
 from chandrad.config import DownshiftConfig, EngineConfig, MemoryConfig, OcrConfig
@@ -68,12 +69,7 @@ async def with_supervisor(
 ) -> None:
     sup = EngineSupervisor(cfg, OCR, gpu=NvmlProbe(), profiles=store, backlog=backlog,
                            flag_checks=flag_checks)
-    task = asyncio.create_task(sup.run())
-    try:
-        await body(sup)
-    finally:
-        await sup.shutdown()
-        await asyncio.wait_for(task, 60)
+    await supervised(sup, body)
     assert sup.state is EngineState.STOPPED or sup.state is EngineState.FATAL
 
 
