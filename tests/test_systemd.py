@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,30 @@ def notify_sock(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
     sock.settimeout(2.0)
     yield sock, path
     sock.close()
+
+
+@contextlib.contextmanager
+def reading(sock: socket.socket) -> Iterator[list[tuple[float, str]]]:
+    """Play systemd: read the notify socket promptly in a thread while the block runs; the
+    list yielded fills with (monotonic time of arrival, message)."""
+    received: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        sock.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                received.append((time.monotonic(), sock.recv(1024).decode()))
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        yield received
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_lifecycle_messages_in_order_and_utf8(notify_sock: tuple[socket.socket, str]) -> None:
@@ -116,19 +141,6 @@ def test_stalled_loop_stops_watchdog_pings(notify_sock: tuple[socket.socket, str
     notifier = Notifier.from_env({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000"})
     pinger = WatchdogPinger(notifier)
     assert pinger.interval == pytest.approx(0.05)
-    received: list[tuple[float, str]] = []
-    stop = threading.Event()
-
-    def reader() -> None:  # plays systemd: reads the notify socket promptly
-        sock.settimeout(0.05)
-        while not stop.is_set():
-            try:
-                received.append((time.monotonic(), sock.recv(1024).decode()))
-            except TimeoutError:
-                continue
-
-    thread = threading.Thread(target=reader)
-    thread.start()
 
     async def scenario() -> float:
         task = asyncio.create_task(pinger.run())
@@ -142,10 +154,9 @@ def test_stalled_loop_stops_watchdog_pings(notify_sock: tuple[socket.socket, str
         return stalled_at
 
     try:
-        stalled_at = asyncio.run(scenario())
+        with reading(sock) as received:
+            stalled_at = asyncio.run(scenario())
     finally:
-        stop.set()
-        thread.join()
         notifier.close()
     healthy = [m for t, m in received if t <= stalled_at]
     late = [m for t, m in received if t > stalled_at + 0.1]  # one interval + slack

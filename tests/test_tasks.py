@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
+from test_systemd import reading
 from waiting import WaitTimeout, wait_until_async
 
 from chandrad.protocol import TaskStatus
@@ -108,16 +108,6 @@ def test_a_task_that_stays_dead_stops_the_watchdog(
     """Crashing again and again, the task is given up as dead: healthy() turns false and
     WATCHDOG=1 stops although the main loop keeps reporting progress."""
     sock, path = notify_sock
-    received: list[tuple[float, str]] = []
-    stop = threading.Event()
-
-    def reader() -> None:  # plays systemd
-        sock.settimeout(0.05)
-        while not stop.is_set():
-            try:
-                received.append((time.monotonic(), sock.recv(1024).decode()))
-            except TimeoutError:
-                continue
 
     async def always_fails() -> None:
         await asyncio.sleep(0.3)
@@ -146,14 +136,8 @@ def test_a_task_that_stays_dead_stops_the_watchdog(
             notifier.close()
         return dead_at, tasks
 
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        with capture_logs():
-            dead_at, tasks = asyncio.run(scenario())
-    finally:
-        stop.set()
-        thread.join()
+    with reading(sock) as received, capture_logs():
+        dead_at, tasks = asyncio.run(scenario())
     assert dead_at, "the task was never given up"
     snap = {t["name"]: t for t in tasks.snapshot()}
     assert snap["dispatch"]["restarts"] == 3
