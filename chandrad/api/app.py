@@ -47,6 +47,8 @@ MULTIPART_SLACK = 64 << 10
 RETRY_AFTER_S = 30
 CALLBACK = re.compile(r"https?://[^\s/]+(/\S*)?")
 LIST_LIMIT = 1000
+#: The largest job id (SQLite's INTEGER); a larger one in a path is no job (404).
+MAX_JOB_ID = (1 << 63) - 1
 
 
 class ApiError(Exception):
@@ -108,6 +110,8 @@ class Api:
 
     def _visible_job(self, caller: Caller, job_id: int) -> Job:
         """The job, when ``caller`` may see it; 404 otherwise (someone else's job too)."""
+        if job_id > MAX_JOB_ID:
+            raise ApiError(404, "not_found", f"no job {job_id}")
         job = self.store.get(job_id)
         owner = self.table.get(job_id)
         if job is None or not (caller.admin or (owner is not None

@@ -1,0 +1,177 @@
+"""The HTTP API's tables and secrets, on a real SQLite store and real files.
+
+``store/api.py``: a job and its owner are one transaction; the outbox row is written by
+the trigger in the transaction that ends an API job with a callback (done, partial,
+failed; not cancelled, not a watched file's job); queue positions; attempts and giving up.
+``api/tokens.py``: a tokens or key file others may read, or a malformed one, is a config
+error naming the key (exit 78).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chandrad.api.tokens import load_secret, load_tokens
+from chandrad.api.uploads import safe_filename
+from chandrad.api.webhooks import backoff, sign
+from chandrad.config import parse_config
+from chandrad.errors import ConfigError, ExitCode, InternalError
+from chandrad.states import JobState
+from chandrad.store import Store
+from chandrad.store.api import ApiTable
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store.open(tmp_path / "state")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _accept(store: Store, table: ApiTable, root: Path, name: str, sha: str,
+            callback: str | None = "http://127.0.0.1:9/hook", owner: str = "alice") -> int:
+    job = table.accept(lambda: store.accept(-1, root, root / name, 1, 1.0, sha),
+                       owner, ("md",), callback)
+    assert job is not None
+    return job.id
+
+
+def _finish(store: Store, job_id: int, state: JobState) -> None:
+    store.set_job_state(job_id, JobState.RUNNING)
+    store.set_job_state(job_id, state)
+
+
+def test_outbox_row_written_with_the_outcome(store: Store, tmp_path: Path) -> None:
+    table = ApiTable.of(store)
+    root = tmp_path / "inbox"
+    done = _accept(store, table, root, "a.pdf", "a")
+    failed = _accept(store, table, root, "b.pdf", "b")
+    cancelled = _accept(store, table, root, "c.pdf", "c")
+    silent = _accept(store, table, root, "d.pdf", "d", callback=None)
+    watched = store.accept(0, tmp_path / "watch", tmp_path / "watch" / "e.pdf", 1, 1.0, "e")
+    assert watched is not None
+    _finish(store, done, JobState.DONE)
+    _finish(store, failed, JobState.FAILED)
+    store.cancel(cancelled)
+    _finish(store, silent, JobState.DONE)
+    _finish(store, watched.id, JobState.DONE)
+    due = table.due(now=2e9)
+    assert [(i.job_id, i.state) for i in due] == [(done, "done"), (failed, "failed")]
+    assert due[0].url == "http://127.0.0.1:9/hook" and due[0].attempts == 0
+    # A retried job that ends again is a second outcome: a second webhook.
+    assert store.retry(failed)
+    _finish(store, failed, JobState.DONE)
+    assert [(i.job_id, i.state) for i in table.due(now=2e9)][-1] == (failed, "done")
+
+
+def test_owner_is_recorded_with_the_job_or_not_at_all(store: Store, tmp_path: Path) -> None:
+    """A failure inside the accept transaction leaves neither the job nor its owner."""
+    table = ApiTable.of(store)
+    root = tmp_path / "inbox"
+
+    def accept_then_fail() -> None:
+        store.accept(-1, root, root / "x.pdf", 1, 1.0, "x")
+        raise InternalError("the owner's row could not be written")
+
+    with pytest.raises(InternalError):
+        table.accept(accept_then_fail, "alice", ("md",), None)  # type: ignore[arg-type]
+    assert store.list_jobs() == []
+    job_id = _accept(store, table, root, "y.pdf", "y", owner="bob")
+    api = table.get(job_id)
+    assert api is not None and (api.owner, api.outputs) == ("bob", ("md",))
+    assert table.job_ids("bob", None, 10) == [job_id] and table.job_ids("alice", None, 10) == []
+
+
+def test_queue_position_counts_pending_jobs_ahead(store: Store, tmp_path: Path) -> None:
+    table = ApiTable.of(store)
+    root = tmp_path / "inbox"
+    ids = [_accept(store, table, root, f"{i}.pdf", str(i)) for i in range(4)]
+    assert [table.queue_position(i) for i in ids] == [0, 1, 2, 3]
+    store.set_job_state(ids[0], JobState.RUNNING)
+    assert [table.queue_position(i) for i in ids[1:]] == [0, 1, 2]
+
+
+def test_attempts_backoff_and_giving_up(store: Store, tmp_path: Path) -> None:
+    table = ApiTable.of(store)
+    job = _accept(store, table, tmp_path / "inbox", "a.pdf", "a")
+    _finish(store, job, JobState.DONE)
+    item = table.due(now=2e9)[0]
+    assert table.freeze_body(item.id, '{"first": 1}') == '{"first": 1}'
+    assert table.freeze_body(item.id, '{"second": 2}') == '{"first": 1}'
+    table.failed(item.id, "HTTP 500", next_at=1e10)
+    assert table.due(now=2e9) == [] and table.next_due() == 1e10
+    table.failed(item.id, "HTTP 500", next_at=None)
+    assert table.outbox_counts() == {"pending": 0, "delivered": 0, "undeliverable": 1}
+    assert table.undeliverable()[0]["attempts"] == 2
+    assert [backoff(n) for n in (1, 2, 3, 20)] == [1.0, 2.0, 4.0, 300.0]
+    mac = hmac.new(b"k", b"5.{}", hashlib.sha256).hexdigest()
+    assert sign(b"k", b"{}", 5) == f"t=5,v1={mac}"
+
+
+def _config(tmp_path: Path, tokens: str, mode: int, secret: str | None = None) -> Path:
+    (tmp_path / "tokens").write_text(tokens)
+    (tmp_path / "tokens").chmod(mode)
+    extra = ""
+    if secret is not None:
+        (tmp_path / "secret").write_text(secret)
+        (tmp_path / "secret").chmod(mode)
+        extra = 'webhook_secret_file = "secret"\n'
+    path = tmp_path / "c.toml"
+    path.write_text(f'[[watch]]\ninput = "in"\n\n[api]\nenabled = true\n'
+                    f'tokens_file = "tokens"\n{extra}')
+    return path
+
+
+@pytest.mark.parametrize(("tokens", "mode", "says"), [
+    ("alice 0123456789abcdef0123\n", 0o644, "readable by others"),
+    ("alice short\n", 0o600, "line 1"),
+    ("# only a comment\n", 0o600, "no token"),
+    ("alice 0123456789abcdef0123\nalice fedcba9876543210fedc\n", 0o600, "already given"),
+    ("al/ice 0123456789abcdef0123\n", 0o600, "line 1"),
+    ("alice 0123456789abcdef0123 root\n", 0o600, "line 1"),
+])
+def test_bad_tokens_file_is_a_config_error(tmp_path: Path, tokens: str, mode: int,
+                                           says: str) -> None:
+    path = _config(tmp_path, tokens, mode)
+    cfg = parse_config(path.read_text(), path)
+    with pytest.raises(ConfigError) as info:
+        load_tokens(cfg)
+    problem = info.value.problems[0]
+    assert info.value.exit_code == ExitCode.CONFIG
+    assert problem.key == "api.tokens_file" and says in problem.message and problem.line == 6
+
+
+def test_tokens_and_secret_read(tmp_path: Path) -> None:
+    path = _config(tmp_path, "# ops\nalice 0123456789abcdef0123  # laptop\n"
+                   "root fedcba9876543210fedc admin\n", 0o600, secret="s" * 32 + "\n")
+    cfg = parse_config(path.read_text(), path)
+    tokens = load_tokens(cfg)
+    alice, root = tokens.caller("0123456789abcdef0123"), tokens.caller("fedcba9876543210fedc")
+    assert alice is not None and (alice.name, alice.admin) == ("alice", False)
+    assert root is not None and root.admin and tokens.caller("0123456789abcdef012") is None
+    assert load_secret(cfg) == b"s" * 32
+    (tmp_path / "secret").chmod(0o604)
+    with pytest.raises(ConfigError) as info:
+        load_secret(cfg)
+    assert info.value.problems[0].key == "api.webhook_secret_file"
+
+
+@pytest.mark.parametrize(("raw", "kept"), [
+    ("../../etc/passwd", "passwd"), ("..\\..\\x.pdf", "x.pdf"), ("/abs/p.pdf", "p.pdf"),
+    ("..", "upload"), ("", "upload"), (None, "upload"), (".bashrc", "upload.bashrc"),
+    ("a/", "upload"), ("ok name.pdf", "ok name.pdf"),
+])
+def test_safe_filename(raw: str | None, kept: str) -> None:
+    assert safe_filename(raw) == kept
+
+
+def test_safe_filename_has_no_control_characters_and_fits() -> None:
+    name = safe_filename("new\nline\x00" + "é" * 300 + ".pdf")
+    assert "\n" not in name and "\x00" not in name and len(name.encode()) <= 255
