@@ -81,6 +81,16 @@ def _stored(d: Daemon, name: str) -> dict[str, object]:
     return next(j for j in d.stored_jobs() if Path(str(j["path"])).name == name)
 
 
+def _done_without_error(d: Daemon, name: str) -> None:
+    """The job ends done, with no error left on it in ``chandractl queue`` or the store."""
+    d.wait_jobs_final([name], 120)
+    listed = d.job(name)
+    stored = _stored(d, name)
+    assert listed is not None and listed["state"] == "done", listed
+    assert (listed["error_code"], listed["error_message"]) == (None, None), listed
+    assert (stored["error_code"], stored["error_message"]) == (None, None), stored
+
+
 def test_held_job_shows_in_status_line_and_ends_done_without_its_error(
     served: tuple[Daemon, StandinServer, Notify], corpus_dir: Path,
     read_only_mount: Callable[[Path], AbstractContextManager[None]]
@@ -94,12 +104,7 @@ def test_held_job_shows_in_status_line_and_ends_done_without_its_error(
         d.wait_for("STATUS= naming the held job",
                    lambda: any("held=1" in s for s in notify.statuses()), 10)
     print(f"\nSTATUS= while held: {[s for s in notify.statuses() if 'held' in s][-1]}")
-    d.wait_jobs_final([name], 120)
-    listed = d.job(name)
-    stored = _stored(d, name)
-    assert listed is not None and listed["state"] == "done", listed
-    assert (listed["error_code"], listed["error_message"]) == (None, None), listed
-    assert (stored["error_code"], stored["error_message"]) == (None, None), stored
+    _done_without_error(d, name)
     status = d.ctl_json("status")
     assert status["held"]["count"] == 0 and status["queue"]["held"] == 0, status
     d.wait_for("STATUS= without held jobs", lambda: "held" not in notify.statuses()[-1], 10)
@@ -155,12 +160,7 @@ def test_retried_job_that_succeeds_keeps_no_error(
     assert d.ctl_json("retry", str(job["id"]))["retried"] == [job["id"]]
     assert not (d.failed / f"{name}.error.json").exists()
     d.ctl_json("resume")
-    d.wait_jobs_final([name], 120)
-    listed = d.job(name)
-    stored = _stored(d, name)
-    assert listed is not None and listed["state"] == "done", listed
-    assert (listed["error_code"], listed["error_message"]) == (None, None), listed
-    assert (stored["error_code"], stored["error_message"]) == (None, None), stored
+    _done_without_error(d, name)
     assert "cancelled" not in d.ctl("queue").stdout
 
 
