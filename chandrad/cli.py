@@ -33,7 +33,7 @@ from chandrad.engine.profile import MemoryProfile, initial_profile
 
 _log = logging.getLogger("chandrad")
 
-PUBLIC_COMMANDS = "{run,batch,check-config,fetch-model,store}"
+PUBLIC_COMMANDS = "{run,batch,check-config,fetch-model,store,tune}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,6 +83,21 @@ def _parser() -> argparse.ArgumentParser:
     store.add_argument("--config", type=Path, default=None, metavar="PATH",
                        help="config file (default: $CHANDRAD_CONFIG, else "
                        f"{config.DEFAULT_CONFIG_PATH})")
+    text = ("measure pages/s on this host's engine while raising max_num_seqs and "
+            "max_num_batched_tokens from the memory plan, and keep the fastest profile that "
+            "held as the learned one (the daemon must be stopped); Ctrl-C keeps what was "
+            "measured")
+    tune = sub.add_parser("tune", help=text, description=text)
+    tune.add_argument("--config", type=Path, default=None, metavar="PATH",
+                      help="config file (default: $CHANDRAD_CONFIG, else "
+                      f"{config.DEFAULT_CONFIG_PATH})")
+    tune.add_argument("--files", type=Path, default=None, metavar="DIR",
+                      help="calibration documents (their first 16 pages); default: "
+                      "synthetic pages of printed text")
+    tune.add_argument("--minutes", type=float, default=20.0, metavar="N",
+                      help="time budget, engine starts included (default 20)")
+    tune.add_argument("--max-starts", type=int, default=None, metavar="N",
+                      help="stop after N engine starts (each costs 1-3 minutes on a GPU)")
     # Hidden: the daemon runs it in the engine's interpreter (engine/command.py).
     sub.add_parser("check-flags")
     return parser
@@ -118,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "check-flags": _check_flags,
         "fetch-model": _fetch_model,
         "store": _store,
+        "tune": _tune,
     }
     checking = args.command in ("check-config", "check-flags")
     if checking and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -232,6 +248,23 @@ def _batch(args: argparse.Namespace) -> int:
     if not outcome.finished:
         return errors.ExitCode.INTERRUPTED
     return errors.ExitCode.BATCH_FAILED if outcome.failed else errors.ExitCode.OK
+
+
+def _tune(args: argparse.Namespace) -> int:
+    """``chandrad tune``: interrupted → 130, nothing measured → 69 (tune_run.TuneOutcome)."""
+    if args.minutes <= 0 or (args.max_starts is not None and args.max_starts < 1):
+        print("chandrad tune: --minutes and --max-starts must be positive", file=sys.stderr)
+        return errors.ExitCode.USAGE
+    if args.files is not None and not args.files.is_dir():
+        print(f"chandrad tune: --files {args.files}: not a folder", file=sys.stderr)
+        return errors.ExitCode.USAGE
+    cfg = config.load_config(_config_path(args))
+    tune_run = importlib.import_module("chandrad.tune_run")
+    try:
+        return int(tune_run.run_tune(cfg, args.files, args.minutes, sys.stdout,
+                                     max_starts=args.max_starts).exit_code)
+    except KeyboardInterrupt:  # before the tune's own handler: nothing measured yet
+        return errors.ExitCode.INTERRUPTED
 
 
 def _gpus_here() -> list[Any]:

@@ -57,7 +57,7 @@ PROFILE_GAUGES: tuple[tuple[str, str, float], ...] = (
     ("enforce_eager", "enforce_eager", 1.0),
     ("expandable_segments", "expandable_segments", 1.0),
 )
-PROFILE_SOURCES = ("config", "learned", "downshift", "upshift")
+PROFILE_SOURCES = ("config", "learned", "tuned", "downshift", "upshift")
 
 
 # ------------------------------------------------------------------ what a scrape reads

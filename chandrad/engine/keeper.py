@@ -28,6 +28,10 @@ from chandrad.engine.replan import PlanContext
 from chandrad.errors import StoreFull
 from chandrad.events import Event
 
+#: A learned profile saved by ``chandrad tune`` carries this key (true): adopted as the
+#: fastest, not as a step below the configured one.
+TUNED_MARK = "tuned"
+
 
 class LearnedProfiles(Protocol):
     """Where profiles that proved stable are kept (the store)."""
@@ -120,7 +124,8 @@ class ProfileKeeper:
             return
         data = self.store.load_learned_profile(key)
         if data:
-            self.policy.adopt_learned(MemoryProfile.from_dict(data))
+            self.policy.adopt_learned(MemoryProfile.from_dict(data),
+                                      tuned=bool(data.get(TUNED_MARK)))
             self.log.info("profile_learned_loaded", key=key, profile=data)
 
     def stable(self, engine: EngineConfig, ocr: OcrConfig) -> str:
@@ -130,7 +135,10 @@ class ProfileKeeper:
         key = self.key(engine, ocr)
         if self.store is not None and key:
             try:
-                self.store.save_learned_profile(key, self.policy.profile.to_dict())
+                data = self.policy.profile.to_dict()
+                if self.policy.source == "tuned":  # still the tuned one: keep it marked
+                    data[TUNED_MARK] = True
+                self.store.save_learned_profile(key, data)
             except StoreFull as exc:  # the profile is learned again at the next stable
                 self.log.warning("profile_not_saved", error=exc.message, learned_key=key)
         return key

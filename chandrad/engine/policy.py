@@ -74,11 +74,12 @@ class ProfilePolicy:
         #: Profiles the ladder moved away from, with their failure: never gone back to.
         self.failed: dict[MemoryProfile, tuple[str, dict[str, float]]] = {}
 
-    def adopt_learned(self, learned: MemoryProfile) -> None:
-        """Start from a profile that proved stable before (one step above it: the config)."""
+    def adopt_learned(self, learned: MemoryProfile, *, tuned: bool = False) -> None:
+        """Start from a profile that proved stable before (one step above it: the config),
+        or that ``chandrad tune`` measured fastest (``tuned``: the config is no step up)."""
         self.profile = learned
-        self.source = "learned"
-        if learned != self.configured:
+        self.source = "tuned" if tuned else "learned"
+        if learned != self.configured and not tuned:
             self.steps_down = [self.configured]
 
     def change(self, new: MemoryProfile, failure: str, reason: str, *,
