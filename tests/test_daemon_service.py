@@ -113,17 +113,24 @@ def base_env() -> dict[str, str]:
             if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")}
 
 
+def start_watched(service_root: Path, port: int,
+                  watchdog_usec: str) -> tuple[subprocess.Popen[bytes], Datagrams]:
+    """``chandrad run`` (a remote engine at ``port`` that is not there) under a stand-in
+    systemd: ``$NOTIFY_SOCKET`` at a socket of ours and ``$WATCHDOG_USEC``."""
+    notify = Datagrams(service_root / "notify.sock")
+    config = write_config(service_root, f'url = "http://127.0.0.1:{port}"',
+                          service_root / "ctl.sock")
+    env = base_env() | {"NOTIFY_SOCKET": str(service_root / "notify.sock"),
+                        "WATCHDOG_USEC": watchdog_usec}
+    return start(config, env, service_root / "daemon.log"), notify
+
+
 def test_notify_ready_status_watchdog_reload_stop(
     service_root: Path, free_port: Callable[[], int]
 ) -> None:
     """READY=1 (with STATUS=) once up; WATCHDOG=1 pings while the loop runs; SIGHUP →
     RELOADING=1 + MONOTONIC_USEC … READY=1; SIGTERM → STOPPING=1 and exit 0."""
-    notify = Datagrams(service_root / "notify.sock")
-    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"',
-                          service_root / "ctl.sock")
-    env = base_env() | {"NOTIFY_SOCKET": str(service_root / "notify.sock"),
-                        "WATCHDOG_USEC": "1000000"}
-    proc = start(config, env, service_root / "daemon.log")
+    proc, notify = start_watched(service_root, free_port(), watchdog_usec="1000000")
     try:
         ready = notify.wait_for(lambda m: b"READY=1" in m, 60)
         assert b"STATUS=" in ready
@@ -151,12 +158,7 @@ def test_stopped_daemon_stops_watchdog_pings(
 ) -> None:
     """A main loop that makes no progress (here: the process stopped) sends no WATCHDOG=1,
     so systemd's WatchdogSec fires."""
-    notify = Datagrams(service_root / "notify.sock")
-    config = write_config(service_root, f'url = "http://127.0.0.1:{free_port()}"',
-                          service_root / "ctl.sock")
-    env = base_env() | {"NOTIFY_SOCKET": str(service_root / "notify.sock"),
-                        "WATCHDOG_USEC": "600000"}
-    proc = start(config, env, service_root / "daemon.log")
+    proc, notify = start_watched(service_root, free_port(), watchdog_usec="600000")
     try:
         notify.wait_for(lambda m: b"READY=1" in m, 60)
         notify.pump(1.5)
