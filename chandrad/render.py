@@ -550,7 +550,7 @@ def _frame(path: Path, img: Image.Image, index: int) -> textlayer.Frame:
     oriented = ImageOps.exif_transpose(img) if orientation in _TURNS else img
     pixels = oriented if oriented.mode == "1" else _to_page_mode(oriented)
     buf = io.BytesIO()
-    pixels.save(buf, format="PNG")
+    pixels.save(buf, format="PNG", compress_level=1)  # MuPDF inflates and deflates it again
     return textlayer.Frame(pixels.width, pixels.height, dpi, buf.getvalue())
 
 
