@@ -7,14 +7,18 @@ holds no ``?`` or ``%`` in literals), ``executemany``, and ``tx()`` that an inne
 joins. Reads that a write depends on take their rows ``FOR UPDATE`` (``lock_rows``):
 other hosts write the same tables at the same time.
 
-A lost server (restarted, unreachable) raises :class:`~chandrad.errors.StoreUnreachable`,
-which callers treat as they treat a full store: the work waits where the store has it.
-The next call connects again. A server out of disk raises StoreFull.
+A lost connection is opened again, for up to ``RECONNECT_S`` (a ``pg_ctl restart`` takes
+about a second), and a read outside a transaction that the server cut is run once more on
+the new connection; a server still gone then raises
+:class:`~chandrad.errors.StoreUnreachable`, which callers treat as they treat a full
+store: the work waits where the store has it (a transaction cut midway raises it at once:
+the caller runs its step again). A server out of disk raises StoreFull.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +30,10 @@ from chandrad.errors import StoreFull, StoreUnreachable
 
 #: Seconds a connection attempt may take before the server counts as unreachable.
 CONNECT_TIMEOUT_S = 5
+#: Seconds a lost connection is tried again (every ``RECONNECT_EVERY_S``) before the call
+#: raises StoreUnreachable: long enough for a server restart, short enough for the loop.
+RECONNECT_S = 3.0
+RECONNECT_EVERY_S = 0.2
 
 
 def safe_url(url: str) -> str:
@@ -44,6 +52,13 @@ class _Conn:
         self._db = db
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        try:
+            with self._db.reachable():
+                return self._db.raw().execute(_sql(sql), tuple(params))
+        except StoreUnreachable:
+            if self._db.in_transaction:
+                raise
+        # A read the server cut (a restart): once more, on a new connection.
         with self._db.reachable():
             return self._db.raw().execute(_sql(sql), tuple(params))
 
@@ -70,17 +85,30 @@ class PgDatabase:
         """Connect now (raises StoreUnreachable when the server cannot be reached)."""
         db = cls(url)
         with db.reachable():
-            db.raw()
+            db._raw = psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
         return db
 
+    @property
+    def in_transaction(self) -> bool:
+        return self._depth > 0
+
     def raw(self) -> psycopg.Connection[Any]:
-        """The live connection, connecting again if the last one was lost."""
+        """The live connection, connecting again (for up to ``RECONNECT_S``) if the last
+        one was lost."""
         if self._raw is None or self._raw.closed or self._raw.broken:
             if self._depth:
                 raise StoreUnreachable(f"the store {self.location} was lost mid-transaction",
                                        path=self.location)
-            self._raw = psycopg.connect(self.url, autocommit=True,
-                                        connect_timeout=CONNECT_TIMEOUT_S)
+            deadline = time.monotonic() + RECONNECT_S
+            while True:
+                try:
+                    self._raw = psycopg.connect(self.url, autocommit=True,
+                                                connect_timeout=CONNECT_TIMEOUT_S)
+                    break
+                except psycopg.OperationalError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(RECONNECT_EVERY_S)
         return self._raw
 
     @contextmanager

@@ -1,0 +1,240 @@
+"""Several hosts, one spool: real daemons on one inbox and one PostgreSQL database.
+
+Two ``chandrad run`` (tests/daemon_harness.py), each with its own state dir and control
+socket, watch one inbox and share ``daemon.store = "postgresql://…"`` (the session's real
+server, tests/pg_server.py) and one stand-in engine (``engine.url``). Leases are short
+(``daemon.lease_s = 3``) so a takeover fits in seconds. What must hold: every file is
+done exactly once with the outputs a single daemon writes; a daemon killed mid-document
+has its job finished by the other, no page stored twice; ``pg_ctl restart`` mid-run loses
+nothing; a server unreachable at start is retried with ``STATUS=`` saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from daemon_harness import Daemon, drop
+from pg_server import PORT, PgServer
+from standin_engine import StandinServer
+from waiting import wait_until
+
+FILES = ("image_hi-devanagari.png", "image_multipage-fax-g3_3p.tif",
+         "digital_sf424-federal-form.pdf", "scan_filled-court-form.pdf")
+LONG = "digital_federal-register_15p.pdf"  # 15 pages
+LEASE_S = 3.0
+NO_METRICS = '[metrics]\nlisten = ""\n'
+
+
+@dataclass
+class HostDaemon(Daemon):
+    """A harness daemon on the shared folders under ``shared`` and a PostgreSQL store."""
+
+    shared: Path = Path()
+    store: str = ""
+    host_id: str = ""
+
+    def config_text(self) -> str:
+        text = super().config_text()
+        keys = f'store = "{self.store}"\nhost_id = "{self.host_id}"\nlease_s = {LEASE_S}\n'
+        return text.replace("[daemon]\n", "[daemon]\n" + keys, 1)
+
+    @property
+    def inbox(self) -> Path:
+        return self.shared / "inbox"
+
+    @property
+    def output(self) -> Path:
+        return self.shared / "output"
+
+    @property
+    def done(self) -> Path:
+        return self.shared / "done"
+
+    @property
+    def failed(self) -> Path:
+        return self.shared / "failed"
+
+
+@dataclass
+class Cluster:
+    url: str
+    engine: StandinServer
+    shared: Path
+    made: list[Daemon]
+
+    def host(self, name: str, **env: str) -> HostDaemon:
+        d = HostDaemon(self.shared.parent / name, f'[engine]\nurl = "{self.engine.url}"\n',
+                       settle=0.3, poll_interval=0.3, tables=NO_METRICS, shared=self.shared,
+                       store=self.url, host_id=name, env=env)
+        self.made.append(d)
+        return d
+
+    def rows(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            return conn.execute(sql, args).fetchall()
+
+    def jobs(self) -> dict[str, tuple[str, str | None]]:
+        """File name → (state, owner) of every job."""
+        return {bytes(p).decode(): (s, o) for p, s, o in
+                self.rows("SELECT path, state, owner FROM jobs ORDER BY id")}
+
+    def wait_final(self, names: set[str], timeout: float, *daemons: Daemon) -> None:
+        def final() -> bool:
+            jobs = self.jobs()
+            return names <= set(jobs) and all(jobs[n][0] in ("done", "partial", "failed")
+                                               for n in names)
+        wait_until(final, timeout, f"jobs final: {sorted(names)}", every=0.3,
+                   context=lambda: "\n".join(d.tail(30) for d in daemons))
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, pg_server: PgServer) -> Iterator[Cluster]:
+    engine = StandinServer(tmp_path / "engine", {"delay_s": 0.15}).start()
+    c = Cluster(pg_server.new_database(), engine, tmp_path / "shared", [])
+    try:
+        yield c
+    finally:
+        for d in c.made:
+            d.cleanup()
+        engine.stop()
+
+
+def _outputs(folder: Path) -> dict[str, str]:
+    """Every Markdown and HTML output under ``folder`` by relative path (the metadata
+    JSON holds timings, which differ from run to run)."""
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*"))
+            if p.suffix in (".md", ".html")}
+
+
+def _pages(c: Cluster) -> list[tuple[str, int, str, int, float | None]]:
+    return [(bytes(p).decode(), i, s, a, f) for p, i, s, a, f in c.rows(
+        "SELECT j.path, p.page_index, p.state, p.attempts, p.finished_at FROM pages p "
+        "JOIN jobs j ON j.id = p.job_id ORDER BY j.path, p.page_index")]
+
+
+def test_two_daemons_on_one_inbox_do_every_file_once_as_one_daemon_would(
+        cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
+    c = cluster
+    single = Daemon(tmp_path / "single", f'[engine]\nurl = "{c.engine.url}"\n', settle=0.3,
+                    poll_interval=0.3, tables=NO_METRICS)
+    c.made.append(single)
+    a, b = c.host("host-a"), c.host("host-b")
+    for d in (single, a, b):
+        d.start()
+    for d in (single, a, b):
+        d.wait_answering(60)
+    for name in FILES:
+        drop(corpus_dir / "good" / name, single.inbox)
+        drop(corpus_dir / "good" / name, a.inbox)
+    single.wait_jobs_final(set(FILES), 90)
+    c.wait_final(set(FILES), 90, a, b)
+    jobs = c.jobs()
+    assert {n: s for n, (s, _) in jobs.items()} == dict.fromkeys(FILES, "done")
+    assert sorted(p.name for p in a.done.iterdir()) == sorted(FILES)
+    assert not list(a.inbox.iterdir()) and not list(a.failed.iterdir())
+    pages = _pages(c)
+    assert all(state == "done" and attempts == 1 for _, _, state, attempts, _ in pages)
+    # One engine request per page: nothing was sent by both hosts.
+    assert len(c.engine.chats()) == len(pages) * 2  # the single daemon's and the cluster's
+    assert _outputs(a.output) == _outputs(single.output) != {}
+    owners = {o for _, o in jobs.values()}
+    print(f"jobs by host: { {h: sum(o == h for _, o in jobs.values()) for h in owners} }")
+
+
+def test_a_daemon_killed_mid_document_is_finished_by_the_other(
+        cluster: Cluster, corpus_dir: Path) -> None:
+    c = cluster
+    c.engine.update(delay_s=0.4)
+    a = c.host("host-a")
+    a.start()
+    a.wait_answering(60)
+    drop(corpus_dir / "good" / LONG, a.inbox)
+    wait_until(lambda: sum(s == "done" for _, _, s, _, _ in _pages(c)) >= 3, 60,
+               "three pages done by host a", context=a.tail)
+    a.kill9()
+    killed = time.time()
+    before = {(n, i): f for n, i, s, _, f in _pages(c) if s == "done"}
+    b = c.host("host-b")
+    b.start()
+    wait_until(lambda: c.jobs()[LONG][1] == "host-b", 30, "host b takes the job over",
+               context=b.tail)
+    takeover_s = time.time() - killed
+    c.wait_final({LONG}, 60, b)
+    assert c.jobs()[LONG] == ("done", "host-b")
+    pages = _pages(c)
+    assert len(pages) == 15 and all(s == "done" and att == 1 for _, _, s, att, _ in pages)
+    # The pages host a stored were kept, not computed again.
+    assert {(n, i): f for n, i, s, _, f in pages if (n, i) in before} == before
+    assert [p.name for p in c.shared.joinpath("done").iterdir()] == [LONG]
+    md = list(c.shared.joinpath("output").rglob("*.md"))
+    assert len(md) == 1 and md[0].read_text().count("stand-in page") == 15
+    print(f"takeover after kill -9: {takeover_s:.1f} s (lease {LEASE_S} s)")
+
+
+def test_postgres_restart_mid_run_loses_nothing(
+        cluster: Cluster, corpus_dir: Path, pg_server: PgServer) -> None:
+    c = cluster
+    c.engine.update(delay_s=0.3)
+    a, b = c.host("host-a"), c.host("host-b")
+    for d in (a, b):
+        d.start()
+    for d in (a, b):
+        d.wait_answering(60)
+    for name in (LONG, *FILES):
+        drop(corpus_dir / "good" / name, a.inbox)
+    wait_until(lambda: sum(s == "done" for _, _, s, _, _ in _pages(c)) >= 3, 60,
+               "pages done before the restart", context=a.tail)
+    done_before = sum(s == "done" for _, _, s, _, _ in _pages(c))
+    t0 = time.monotonic()
+    pg_server.restart()
+    wait_until(lambda: sum(s == "done" for _, _, s, _, _ in _pages(c)) > done_before, 30,
+               "a page done after the restart", context=lambda: a.tail() + b.tail())
+    resumed_s = time.monotonic() - t0
+    c.wait_final({LONG, *FILES}, 90, a, b)
+    assert {n: s for n, (s, _) in c.jobs().items()} == dict.fromkeys((LONG, *FILES), "done")
+    assert all(s == "done" and att == 1 for _, _, s, att, _ in _pages(c))
+    assert sorted(p.name for p in a.done.iterdir()) == sorted((LONG, *FILES))
+    assert a.alive() and b.alive()
+    print(f"pg_ctl restart: first page stored {resumed_s:.1f} s after it began")
+
+
+def test_unreachable_postgres_at_start_is_retried_with_status_saying_why(
+        cluster: Cluster, pg_server: PgServer, tmp_path: Path) -> None:
+    c = cluster
+    hidden = tmp_path / "pg-socket"  # the server's socket appears here later
+    hidden.mkdir()
+    os.chmod(hidden, 0o777)
+    notify_path = tmp_path / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    notify.settimeout(0.2)
+    try:
+        c.url = c.url.replace(f"host={pg_server.socket_dir}", f"host={hidden}")
+        a = c.host("host-a", NOTIFY_SOCKET=str(notify_path))
+        a.start()
+        statuses: list[str] = []
+
+        def said() -> bool:
+            try:
+                statuses.extend(line[7:] for line in notify.recv(1 << 16).decode().splitlines()
+                                if line.startswith("STATUS="))
+            except TimeoutError:
+                pass
+            return any("waiting for the store" in s for s in statuses)
+
+        wait_until(said, 30, "STATUS= says the store is unreachable", context=a.tail)
+        assert a.alive() and "store_unreachable" in a.tail()
+        assert str(hidden) in statuses[-1] and "cannot be reached" in statuses[-1]
+        (hidden / f".s.PGSQL.{PORT}").symlink_to(pg_server.socket_dir / f".s.PGSQL.{PORT}")
+        a.wait_answering(30)
+        assert a.ctl_json("status")["daemon"]["state"] == "running"
+    finally:
+        notify.close()

@@ -1,0 +1,171 @@
+"""The PostgreSQL store shared by several hosts, on a real server (tests/pg_server.py):
+a file accepted once however many hosts see it, jobs claimed by one host, leases that
+expire and are taken over, a host that lost its lease fenced off, a server restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from pg_server import PgServer
+
+from chandrad.errors import LeaseLost, StoreUnreachable
+from chandrad.states import JobState, PageState
+from chandrad.store.postgres import PgStore
+
+ROOT = Path("/in")
+
+
+@pytest.fixture
+def hosts(pg_server: PgServer) -> Iterator[Callable[..., PgStore]]:
+    """Open a store per host on one fresh database; all closed at the end."""
+    url = pg_server.new_database()
+    opened: list[PgStore] = []
+
+    def open_host(host: str, lease_s: float = 30.0) -> PgStore:
+        store = PgStore.open(url, host, lease_s)
+        opened.append(store)
+        return store
+
+    yield open_host
+    for store in opened:
+        store.close()
+
+
+def _accept(store: PgStore, name: str, sha: str = "a" * 64) -> int | None:
+    job = store.accept(0, ROOT, ROOT / name, 1, 0.0, sha)
+    return None if job is None else job.id
+
+
+def test_hosts_accepting_the_same_files_at_once_make_one_job_each(
+        hosts: Callable[..., PgStore]) -> None:
+    """Two hosts watching one inbox accept the same 150 files at the same moment: each
+    file becomes one job (the open jobs' unique (path, content) index, ON CONFLICT)."""
+    a, b = hosts("host-a"), hosts("host-b")
+    names = [f"f{i:03d}.pdf" for i in range(150)]
+    start = threading.Barrier(2)
+    made: dict[str, list[int]] = {"host-a": [], "host-b": []}
+
+    def accept_all(store: PgStore) -> None:
+        start.wait()
+        for name in names:
+            job_id = _accept(store, name, (name.encode().hex() * 8)[:64])
+            if job_id is not None:
+                made[store.host].append(job_id)
+
+    threads = [threading.Thread(target=accept_all, args=(s,)) for s in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    jobs = a.list_jobs(limit=1000)
+    assert len(jobs) == len(names) == len(made["host-a"]) + len(made["host-b"])
+    assert sorted(j.path.name for j in jobs) == names
+
+
+def test_hosts_claim_disjoint_jobs(hosts: Callable[..., PgStore]) -> None:
+    """``next_jobs`` leases what it returns: a second host gets the others, never the same."""
+    a, b = hosts("host-a"), hosts("host-b")
+    ids = [_accept(a, f"f{i}.pdf", f"{i:064d}") for i in range(5)]
+    first = [j.id for j in a.next_jobs([ROOT], (), 3)]
+    second = [j.id for j in b.next_jobs([ROOT], (), 10)]
+    assert first == ids[:3] and second == ids[3:]
+    assert [j.id for j in b.next_jobs([ROOT], (), 10)] == ids[3:]  # its own; a's hold
+    assert [j.id for j in a.next_jobs([ROOT], (), 10)] == ids[:3]  # its own, again
+    assert a.owner(first[0])[0] == "host-a"
+
+
+def test_a_silent_hosts_job_is_taken_over_and_the_old_host_is_fenced(
+        hosts: Callable[..., PgStore]) -> None:
+    """A host that stops renewing loses its job after ``lease_s``; another host takes it
+    over with its done pages kept, and the first host's later steps change nothing."""
+    a, b = hosts("host-a", lease_s=1.0), hosts("host-b", lease_s=1.0)
+    job_id = _accept(a, "doc.pdf")
+    assert job_id is not None and [j.id for j in a.next_jobs([ROOT], (), 5)] == [job_id]
+    a.set_job_state(job_id, JobState.RUNNING)
+    a.init_pages(job_id, 3)
+    a.claim_page(job_id, 0)
+    a.finish_page(job_id, 0, result={"markdown": "p1"}, width=1, height=1, seconds=0.1)
+    a.claim_page(job_id, 1)
+    a._keeper.stop()  # host a goes silent (its process would be gone)
+    assert b.next_jobs([ROOT], (), 5) == []  # not yet expired
+    time.sleep(1.2)
+    taken = b.next_jobs([ROOT], (), 5)
+    assert [j.id for j in taken] == [job_id] and taken[0].state is JobState.RUNNING
+    assert b.owner(job_id)[0] == "host-b"
+    b.release_page(job_id, 1)  # what JobRunner.run does with in-flight pages it finds
+    with pytest.raises(LeaseLost):
+        a.finish_page(job_id, 1, result={"markdown": "late"}, width=1, height=1, seconds=1)
+    with pytest.raises(LeaseLost):
+        a.set_job_state(job_id, JobState.DONE)
+    pages = b.pages(job_id)
+    assert [p.state for p in pages] == [PageState.DONE, PageState.PENDING, PageState.PENDING]
+    assert pages[0].result == {"markdown": "p1"} and pages[1].releases == 1
+    assert pages[1].attempts == 0
+
+
+def test_heartbeat_keeps_a_live_hosts_lease(hosts: Callable[..., PgStore]) -> None:
+    """A live host renews its leases every third of ``lease_s``: no other host gets its
+    job, however long it runs."""
+    a, b = hosts("host-a", lease_s=1.0), hosts("host-b", lease_s=1.0)
+    job_id = _accept(a, "doc.pdf")
+    assert [j.id for j in a.next_jobs([ROOT], (), 5)] == [job_id]
+    time.sleep(2.5)
+    assert b.next_jobs([ROOT], (), 5) == [] and a._keeper.beats >= 4
+
+
+def test_release_and_recovery_touch_only_this_hosts_pages(
+        hosts: Callable[..., PgStore], pg_server: PgServer) -> None:
+    """An engine that died gives back its own host's in-flight pages, never another's;
+    so does a host opening the store again after a crash."""
+    a, b = hosts("host-a"), hosts("host-b")
+    ja, jb = _accept(a, "a.pdf", "1" * 64), _accept(b, "b.pdf", "2" * 64)
+    assert ja is not None and jb is not None
+    for store, job_id in ((a, ja), (b, jb)):
+        store.set_job_state(job_id, JobState.RUNNING)
+        store.init_pages(job_id, 2)
+        store.claim_page(job_id, 0)
+    assert a.release_all_in_flight() == 1
+    assert b.page(jb, 0).state is PageState.IN_FLIGHT  # type: ignore[union-attr]
+    a.claim_page(ja, 0)
+    again = hosts("host-a")  # host a restarted: its own in-flight pages go back
+    assert again.recovered.pages_released == 1 and again.recovered.jobs_running == 1
+    assert b.page(jb, 0).state is PageState.IN_FLIGHT  # type: ignore[union-attr]
+
+
+def test_learned_profiles_are_per_host(hosts: Callable[..., PgStore]) -> None:
+    """A profile learned on one host's GPUs is not another host's."""
+    a, b = hosts("host-a"), hosts("host-b")
+    a.save_learned_profile("model|gpu", {"max_num_seqs": 8})
+    assert a.load_learned_profile("model|gpu") == {"max_num_seqs": 8}
+    assert b.load_learned_profile("model|gpu") is None
+
+
+def test_unreachable_server_is_store_unreachable(tmp_path: Path) -> None:
+    """No server behind the URL: a typed StoreUnreachable naming the store, at once."""
+    url = f"postgresql://chandrad@/x?host={tmp_path}&port=5432"
+    with pytest.raises(StoreUnreachable) as err:
+        PgStore.open(url, "host-a")
+    assert str(tmp_path) in err.value.message and "cannot be reached" in err.value.message
+
+
+def test_server_restart_costs_one_refused_call_and_loses_nothing(
+        hosts: Callable[..., PgStore], pg_server: PgServer) -> None:
+    """``pg_ctl restart`` under an open store: the next call says StoreUnreachable (the
+    caller waits as for a full store), the one after reconnects; every row is there."""
+    a = hosts("host-a")
+    job_id = _accept(a, "doc.pdf")
+    assert job_id is not None
+    a.init_pages(job_id, 2)
+    pg_server.restart()
+    t0 = time.monotonic()
+    try:
+        a.claim_page(job_id, 0)
+    except StoreUnreachable:
+        a.claim_page(job_id, 0)
+    reconnect_s = time.monotonic() - t0
+    assert a.page(job_id, 0).state is PageState.IN_FLIGHT  # type: ignore[union-attr]
+    assert [j.id for j in a.list_jobs()] == [job_id] and reconnect_s < 5
