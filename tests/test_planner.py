@@ -9,6 +9,7 @@ exact today). No engine starts: the model files are read as ``check-config`` rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,10 +22,14 @@ import pytest
 from daemon_harness import Daemon, table
 
 from chandrad import model_files
-from chandrad.engine import planner
+from chandrad.config import EngineConfig, MemoryConfig, OcrConfig
+from chandrad.engine import planner, planning
+from chandrad.engine.profile import initial_profile
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "bench" / "results" / "planner-check.json"
+#: What vLLM logged for the tiny Chandra 2 with prefix caching on and off.
+HYBRID = REPO / "bench" / "results" / "2026-12-06-chandra2-hybrid.json"
 TOLERANCE = 0.10
 
 
@@ -117,6 +122,30 @@ def test_gpu_budget_is_total_times_utilisation_less_weights_activation_runtime()
     assert "needs gpu_memory_utilization" in (none.problem or "")
     busy = planner.Budget("gpu", gpu_total_bytes=24 * planner.GIB, gpu_free_bytes=planner.GIB)
     assert "free" in (planner.plan(shape, busy, planner.Request()).problem or "")
+
+
+def test_prefix_caching_off_in_extra_args_is_planned(tiny_chandra2_dir: Path) -> None:
+    """``--no-enable-prefix-caching`` in extra_args: the hybrid model then holds one state block
+    per sequence instead of ``align`` mode's two, and the plan is what vLLM logged for each
+    setting (``HYBRID``, bench/chandra2_hybrid.py; off, 21 % more KV tokens at 4096)."""
+    measured = {r["name"]: r for r in json.loads(HYBRID.read_text(encoding="utf-8"))["rows"]}
+    memory = MemoryConfig(max_model_len=4096, max_num_seqs=8)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    for extra, name in (((), "prefix-on-len4096"),
+                        (("--enable-prefix-caching",), "prefix-on-len4096"),
+                        (("--no-enable-prefix-caching",), "prefix-off-len4096"),
+                        (("--no_enable_prefix_caching",), "prefix-off-len4096")):
+        engine = EngineConfig(model=str(tiny_chandra2_dir), memory=memory, extra_args=extra)
+        context = planning.plan_context(engine, initial_profile(memory, None), OcrConfig(),
+                                        env=env)
+        assert context is not None
+        row = measured[name]
+        assert context.request.enable_prefix_caching is row["prefix_caching"], extra
+        plan = planner.plan(context.shape, dataclasses.replace(
+            context.budget, cpu_avx512_bf16=json.loads(HYBRID.read_text())["cpu_avx512_bf16"]),
+            context.request)
+        assert plan.kv_cache_tokens == int(row["kv"][0].replace(",", "")), (extra, plan)
+        assert f"{plan.max_concurrency:.2f}" == row["kv"][2], (extra, plan)
 
 
 def test_check_config_json_shows_the_plan(tmp_path: Path, tiny_model_dir: Path) -> None:

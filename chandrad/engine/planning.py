@@ -9,8 +9,9 @@ on this host yet (first start before the fetch): callers keep today's defaults.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from chandrad import model_files
@@ -55,4 +56,18 @@ def plan_context(engine: EngineConfig, profile: MemoryProfile, ocr: OcrConfig, *
         engine.memory, profile, env=env, gpu_total_bytes=gpu_total_bytes,
         gpu_free_bytes=gpu_free_bytes, cpu_avx512_bf16=planner.avx512_bf16(_cpuinfo()),
         page_tokens=page_tokens(ocr.max_pixels, ocr.max_output_tokens))
+    request = dataclasses.replace(request, enable_prefix_caching=prefix_caching(engine.extra_args))
     return PlanContext(shape, budget, request, planner.plan(shape, budget, request))
+
+
+def prefix_caching(extra_args: Sequence[str]) -> bool:
+    """Whether the engine caches prefixes: on unless ``extra_args`` turns it off (vLLM 0.32's
+    default and Chandra's GPU launch, ``--enable-prefix-caching``; vLLM 0.17 would leave it off
+    for a hybrid model without that flag). Off, a hybrid model holds one state block per
+    sequence instead of ``align`` mode's two: more KV tokens fit."""
+    on = True
+    for token in extra_args:
+        name = token.split("=", 1)[0].replace("_", "-")
+        if name in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+            on = name == "--enable-prefix-caching"
+    return on
