@@ -15,10 +15,10 @@ import subprocess
 from conftest import REPO_ROOT
 
 #: Our machines' trees: the development checkout and its venv, the tool folders beside it,
-#: pytest's and CI's temporary folders, the device's copy of the repository, its venv and its
-#: output folder. Spelled so that this file does not match itself.
-OURS = re.compile(
-    rb"/work[/](main|\.)|/tmp/(pytest-of|ci[0-9])|\.gpu[0-9]+/repo|/opt/torch[/]|/root/(out)")
+#: the Python install (pyenv), pytest's and CI's temporary folders, the device's copy of the
+#: repository, its venv and its output folder. Spelled so that this file does not match itself.
+OURS = re.compile(rb"/work[/](main|\.)|/root/[.]pyenv|/tmp/(pytest-of|ci[0-9])|\.gpu[0-9]+/repo"
+                  rb"|/opt/torch[/]|/root/(out)")
 
 
 def test_no_tracked_file_names_a_path_of_our_machines() -> None:
