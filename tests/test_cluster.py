@@ -176,6 +176,8 @@ def test_a_daemon_killed_mid_document_is_finished_by_the_other(
     assert [p.name for p in c.shared.joinpath("done").iterdir()] == [LONG]
     md = list(c.shared.joinpath("output").rglob("*.md"))
     assert len(md) == 1 and md[0].read_text().count("stand-in page") == 15
+    done_lines = [line for line in b.log_path.read_text().splitlines() if "job_done" in line]
+    assert done_lines and all('"host_id": "host-b"' in line for line in done_lines)
     print(f"takeover after kill -9: {takeover_s:.1f} s (lease {LEASE_S} s)")
 
 

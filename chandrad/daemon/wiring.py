@@ -116,6 +116,9 @@ def open_store(cfg: Config) -> StoreBackend:
     if cfg.daemon.store_url:
         host = cfg.daemon.host_id or socket.gethostname()
         pg = PgStore.open(cfg.daemon.store_url, host, cfg.daemon.lease_s)
+        # Every journal line of a host sharing the queue names it (CHANDRA_HOST_ID): the
+        # tasks started from here on inherit the context.
+        structlog.contextvars.bind_contextvars(host_id=host)
         log.info("store_opened", store=pg.location, host=host, lease_s=pg.lease_s,
                  pages_released=pg.recovered.pages_released)
         return pg

@@ -67,6 +67,7 @@ class LeaseKeeper:
             self._db.close()
 
     def _run(self) -> None:
+        structlog.contextvars.bind_contextvars(host_id=self._host)
         while not self._stop.wait(self._lease_s / 3):
             try:
                 self.beat()
