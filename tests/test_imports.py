@@ -67,7 +67,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.api.server", "chandrad.api.tokens", "chandrad.api.uploads",
                 "chandrad.api.webhooks"),
     "daemon": ("chandrad.daemon", "chandrad.daemon.core", "chandrad.daemon.queue",
-               "chandrad.daemon.wiring", "chandrad.daemon.report", "chandrad.daemon.controls",
+               "chandrad.daemon.lifecycle", "chandrad.daemon.wiring", "chandrad.daemon.report",
+               "chandrad.daemon.watching", "chandrad.daemon.controls",
                "chandrad.daemon.reload", "chandrad.daemon.shutdown",
                "chandrad.daemon.door"),
     "entry": ("chandrad.cli", "chandrad.batch_view", "chandrad.tune_run", "chandrad.__main__",
@@ -172,6 +173,16 @@ def test_layer_check_sees_every_form_of_import() -> None:
     assert not _may_import("chandrad.engine.process", "chandrad.engine.session")
     assert _may_import("chandrad.store.sqlite", "chandrad.store.jobs")
     assert _may_import("chandrad.engine.command", "chandrad.engine.profile")
+
+
+def test_the_daemon_parts_do_not_import_the_daemon_back() -> None:
+    """Each part of the daemon package is given the collaborators it uses; none imports
+    ``daemon.core`` (the ``Daemon`` that builds them), not even for type hints."""
+    parts = sorted(p for p in (PACKAGE / "daemon").glob("*.py")
+                   if p.name not in ("__init__.py", "core.py"))
+    assert len(parts) >= 8
+    bad = [p.name for p in parts if "chandrad.daemon.core" in _chandrad_imports(p)]
+    assert bad == []
 
 
 #: The pipeline package, top to bottom: each module imports only those after it, so the

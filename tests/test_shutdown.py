@@ -196,5 +196,5 @@ def test_illegal_daemon_state_edge_raises(tmp_path: Path) -> None:
     d = Daemon(tmp_path, standin_engine(tmp_path, port=free_port()))
     daemon = RealDaemon(load_config(d.config))
     with pytest.raises(InternalError, match="starting -> drained"):
-        daemon.set_state(DaemonState.DRAINED, "test")
-    assert daemon.state is DaemonState.STARTING
+        daemon.lifecycle.set_state(DaemonState.DRAINED, "test")
+    assert daemon.lifecycle.state is DaemonState.STARTING

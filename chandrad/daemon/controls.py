@@ -13,64 +13,80 @@ and ``engine restart`` instead of starting them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from chandrad.daemon import report
-from chandrad.daemon.queue import Command, stopping_refusal
+from chandrad.daemon.lifecycle import Lifecycle
+from chandrad.daemon.queue import Command, CommandQueue, stopping_refusal
+from chandrad.daemon.reload import Reloader
+from chandrad.daemon.report import Reporter
+from chandrad.daemon.watching import Watching
+from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import ControlError, ControlErrorCode, InternalError
+from chandrad.pipeline import Pipeline
 from chandrad.protocol import GpuReply, StatusReply
 from chandrad.states import DaemonCommand, DaemonState, EngineCommand, PipelineMode
-
-if TYPE_CHECKING:
-    from chandrad.daemon.core import Daemon
-    from chandrad.pipeline import Pipeline
+from chandrad.store import StoreBackend
 
 #: The states an operator may pause or resume in.
 _PAUSABLE = (DaemonState.RUNNING, DaemonState.PAUSED)
 
 
 class Controls:
-    """Implements ``DaemonControl`` for one daemon; owns the ``drain --wait`` waiters."""
+    """Implements ``DaemonControl`` for one daemon; owns the ``drain --wait`` waiters.
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    The daemon's state changes through ``lifecycle`` (its owner), the pipeline's mode
+    through the pipeline, each only in :meth:`apply`.
+    """
+
+    def __init__(self, lifecycle: Lifecycle, queue: CommandQueue, store: StoreBackend,
+                 pipeline: Pipeline, engines: Sequence[EngineSupervisor], reporter: Reporter,
+                 reloader: Reloader, watching: Watching) -> None:
+        self._lifecycle = lifecycle
+        self._queue = queue
+        self._store = store
+        self._pipeline = pipeline
+        self._engines = engines
+        self._reporter = reporter
+        self._reloader = reloader
+        self._watching = watching
         self._drain_waiters: list[Command] = []
 
     # ------------------------------------------------------------ reads
     def status(self) -> StatusReply:
-        return report.status_reply(self.daemon)
+        return self._reporter.status_reply()
 
     def queue(self, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
-        assert self.daemon.store is not None
-        return [job.to_dict() for job in self.daemon.store.list_jobs(state, limit)]
+        return [job.to_dict() for job in self._store.list_jobs(state, limit)]
 
     def gpu(self) -> GpuReply:
-        return report.gpu_reply(self.daemon)
+        return report.gpu_reply(self._engines)
 
     def version(self) -> dict[str, Any]:
-        return report.version_reply(self.daemon)
+        return report.version_reply(self._engines[0] if self._engines else None)
 
     # ------------------------------------------------------------ through the queue
     # Each state change is a command the main loop applies (``apply``); the request
     # waits for its answer, so replies are the same as if it ran here.
     async def pause(self) -> dict[str, Any]:
-        return await self.daemon.queue.ask(DaemonCommand.PAUSE)
+        return await self._queue.ask(DaemonCommand.PAUSE)
 
     async def resume(self) -> dict[str, Any]:
-        return await self.daemon.queue.ask(DaemonCommand.RESUME)
+        return await self._queue.ask(DaemonCommand.RESUME)
 
     async def drain(self, wait: bool = False) -> dict[str, Any]:
-        return await self.daemon.queue.ask(DaemonCommand.DRAIN, wait=wait)
+        return await self._queue.ask(DaemonCommand.DRAIN, wait=wait)
 
     async def retry(self, job_id: int | None = None, all_failed: bool = False) -> dict[str, Any]:
-        return await self.daemon.queue.ask(DaemonCommand.RETRY, job_id=job_id,
+        return await self._queue.ask(DaemonCommand.RETRY, job_id=job_id,
                                            all_failed=all_failed)
 
     async def cancel(self, job_id: int) -> dict[str, Any]:
-        return await self.daemon.queue.ask(DaemonCommand.CANCEL, job_id=job_id)
+        return await self._queue.ask(DaemonCommand.CANCEL, job_id=job_id)
 
     async def engine_restart(self, engine_id: str | None = None) -> dict[str, Any]:
-        return await self.daemon.queue.ask(DaemonCommand.ENGINE_RESTART, engine_id=engine_id)
+        return await self._queue.ask(DaemonCommand.ENGINE_RESTART, engine_id=engine_id)
 
     async def apply(self, command: Command) -> None:
         """Carry out a control command the main loop (or the SIGTERM drain) took off the
@@ -87,8 +103,8 @@ class Controls:
                 case DaemonCommand.DRAIN:
                     if self._drain(command):
                         return  # ``drain --wait``: answered by ``check_drained``
-                    result = {"state": self.daemon.state.value,
-                              "queue": report.queue_counts(self.daemon)}
+                    result = {"state": self._lifecycle.state.value,
+                              "queue": self._reporter.queue_counts()}
                 case DaemonCommand.RETRY:
                     result = self._retry(args["job_id"], args["all_failed"])
                 case DaemonCommand.CANCEL:
@@ -103,34 +119,34 @@ class Controls:
         command.answer(result)
 
     def _pause(self) -> dict[str, Any]:
-        daemon, pipeline = self.daemon, self._pipeline()
-        if daemon.state not in _PAUSABLE:
+        lifecycle = self._lifecycle
+        if lifecycle.state not in _PAUSABLE:
             raise ControlError(ControlErrorCode.INVALID_STATE,
-                               f"cannot pause while {daemon.state.value}")
-        pipeline.set_mode(PipelineMode.PAUSED)
-        daemon.set_state(DaemonState.PAUSED, "operator pause")
-        return {"state": daemon.state.value}
+                               f"cannot pause while {lifecycle.state.value}")
+        self._pipeline.set_mode(PipelineMode.PAUSED)
+        lifecycle.set_state(DaemonState.PAUSED, "operator pause")
+        return {"state": lifecycle.state.value}
 
     def _resume(self) -> dict[str, Any]:
-        daemon, pipeline = self.daemon, self._pipeline()
-        if daemon.state not in _PAUSABLE:
+        lifecycle = self._lifecycle
+        if lifecycle.state not in _PAUSABLE:
             raise ControlError(ControlErrorCode.INVALID_STATE,
-                               f"cannot resume while {daemon.state.value}")
-        pipeline.set_mode(PipelineMode.RUNNING)
-        daemon.set_state(DaemonState.RUNNING, "operator resume")
-        return {"state": daemon.state.value}
+                               f"cannot resume while {lifecycle.state.value}")
+        self._pipeline.set_mode(PipelineMode.RUNNING)
+        lifecycle.set_state(DaemonState.RUNNING, "operator resume")
+        return {"state": lifecycle.state.value}
 
     def _drain(self, command: Command) -> bool:
         """Start (or join) a drain; True when ``command`` waits for it to finish."""
-        daemon, pipeline = self.daemon, self._pipeline()
-        if daemon.state in _PAUSABLE:
-            pipeline.set_mode(PipelineMode.DRAINING)
-            daemon.set_state(DaemonState.DRAINING, "operator drain")
-        elif daemon.state not in (DaemonState.DRAINING, DaemonState.DRAINED):
+        lifecycle = self._lifecycle
+        if lifecycle.state in _PAUSABLE:
+            self._pipeline.set_mode(PipelineMode.DRAINING)
+            lifecycle.set_state(DaemonState.DRAINING, "operator drain")
+        elif lifecycle.state not in (DaemonState.DRAINING, DaemonState.DRAINED):
             raise ControlError(ControlErrorCode.INVALID_STATE,
-                               f"cannot drain while {daemon.state.value}")
+                               f"cannot drain while {lifecycle.state.value}")
         self.check_drained()
-        if command.args.get("wait") and daemon.state is DaemonState.DRAINING:
+        if command.args.get("wait") and lifecycle.state is DaemonState.DRAINING:
             self._drain_waiters.append(command)
             return True
         return False
@@ -138,18 +154,16 @@ class Controls:
     def check_drained(self) -> None:
         """A drain whose accepted work is all finished is ``drained``; answer its waiters.
         Called by each command and each tick of the main loop."""
-        daemon = self.daemon
-        if daemon.state is not DaemonState.DRAINING or daemon.pipeline is None:
+        if self._lifecycle.state is not DaemonState.DRAINING:
             return
-        if daemon.pipeline.idle():
-            daemon.set_state(DaemonState.DRAINED, "all accepted work finished")
+        if self._pipeline.idle():
+            self._lifecycle.set_state(DaemonState.DRAINED, "all accepted work finished")
             for waiter in self._drain_waiters:
-                waiter.answer({"state": "drained", "queue": report.queue_counts(daemon)})
+                waiter.answer({"state": "drained", "queue": self._reporter.queue_counts()})
             self._drain_waiters.clear()
 
     def _retry(self, job_id: int | None, all_failed: bool) -> dict[str, Any]:
-        store, pipeline = self.daemon.store, self._pipeline()
-        assert store is not None
+        store, pipeline = self._store, self._pipeline
         jobs = store.list_jobs("failed") if all_failed else []
         if job_id is not None:
             job = store.get(job_id)
@@ -164,8 +178,7 @@ class Controls:
         return {"retried": retried}
 
     async def _cancel(self, job_id: int) -> dict[str, Any]:
-        store, pipeline = self.daemon.store, self._pipeline()
-        assert store is not None
+        store, pipeline = self._store, self._pipeline
         if store.get(job_id) is None:
             raise ControlError(ControlErrorCode.NOT_FOUND, f"no job {job_id}")
         if not await pipeline.cancel_job(job_id):
@@ -173,39 +186,33 @@ class Controls:
         return {"cancelled": job_id}
 
     def _engine_restart(self, engine_id: str | None) -> dict[str, Any]:
-        daemon = self.daemon
+        engines = self._engines
         self._refuse_if_stopping("engine restart")
-        if not daemon.config.engine.supervised:
+        if not self._lifecycle.config.engine.supervised:
             raise ControlError(ControlErrorCode.INVALID_STATE,
                                "engine.url is set: the engine is remote and "
                                "not supervised by chandrad")
-        chosen = [e for e in daemon.engines if engine_id is None or e.engine_id == engine_id]
+        chosen = [e for e in engines if engine_id is None or e.engine_id == engine_id]
         if not chosen:
             raise ControlError(ControlErrorCode.NOT_FOUND, f"no engine {engine_id!r} (engines: "
-                               f"{', '.join(e.engine_id for e in daemon.engines)})")
+                               f"{', '.join(e.engine_id for e in engines)})")
         for engine in chosen:
             engine.request(EngineCommand.RESTART)
         return {"requested": "restart", "engine_state": chosen[0].state.value,
                 "engines": {e.engine_id: e.state.value for e in chosen}}
 
-    def _pipeline(self) -> Pipeline:
-        assert self.daemon.pipeline is not None
-        return self.daemon.pipeline
-
     async def rescan(self) -> dict[str, Any]:
-        daemon = self.daemon
-        assert daemon.watcher is not None
-        if daemon.pipeline is not None and not daemon.pipeline.mode.accepts_files:
+        if not self._pipeline.mode.accepts_files:
             raise ControlError(ControlErrorCode.INVALID_STATE,
                                "draining: no new files are accepted")
-        found = await daemon.watcher.rescan()
+        found = await self._watching.rescan()
         return {"candidates": found}
 
     # ------------------------------------------------------------ config and engines
     async def reload(self, wait: bool = False) -> dict[str, Any]:
         self._refuse_if_stopping("reload")
-        return await self.daemon.reloader.requested(wait)
+        return await self._reloader.requested(wait)
 
     def _refuse_if_stopping(self, what: str) -> None:
-        if self.daemon.state is DaemonState.STOPPING:
+        if self._lifecycle.state is DaemonState.STOPPING:
             raise stopping_refusal(what)

@@ -1,14 +1,15 @@
-"""The daemon: wires every part from the config, owns the ``DaemonState`` machine, the
-one command queue and the main loop.
+"""The daemon: wires every part from the config, runs the one command queue's main loop.
 
 Start-up → serve → drain → shutdown (uvicorn's shape). Signals and every control command
 that changes state feed the command queue (``daemon/queue``; gunicorn's arbiter: signal
 handlers only enqueue); the main loop takes each command, ticks the watchdog, re-raises a
 dead task.
-The pieces around it, each with one owner: ``daemon/wiring`` (config → parts, config
-errors naming the key), ``daemon/report`` (status line and replies), ``daemon/controls``
-(``interfaces.DaemonControl`` for the control socket), ``daemon/reload`` and
-``daemon/shutdown``. Every long-lived task runs under the one
+The parts around it are objects with their own state, each given only the collaborators
+it uses: ``daemon/lifecycle`` (the ``DaemonState`` machine, the config in force, the exit
+code), ``daemon/wiring`` (config → parts, config errors naming the key),
+``daemon/report`` (status line and replies), ``daemon/watching`` (the watcher in force),
+``daemon/controls`` (``interfaces.DaemonControl`` for the control socket),
+``daemon/reload`` and ``daemon/shutdown``. Every long-lived task runs under the one
 ``chandrad.tasks.TaskSupervisor`` (logged, quarantined, restarted, shown in ``status``);
 while one is dead the systemd watchdog is no longer fed.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from typing import assert_never
 
 import structlog
@@ -28,10 +28,14 @@ from chandrad.batch import BatchRun
 from chandrad.config import Config
 from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
-from chandrad.daemon import report, shutdown
+from chandrad.daemon import report
 from chandrad.daemon.controls import Controls
-from chandrad.daemon.queue import CommandQueue
+from chandrad.daemon.lifecycle import Lifecycle
+from chandrad.daemon.queue import CommandQueue, tick
 from chandrad.daemon.reload import Reloader
+from chandrad.daemon.report import Reporter
+from chandrad.daemon.shutdown import Drain, Shutdown
+from chandrad.daemon.watching import Watching
 from chandrad.daemon.wiring import (
     MetricsListener,
     NvmlProbe,
@@ -45,21 +49,20 @@ from chandrad.engine.dispatch import Dispatcher, engine_status
 from chandrad.engine.flagcache import FlagVerdictCache, flag_cache_dir
 from chandrad.engine.replicas import ReplicaSpec
 from chandrad.engine.supervisor import EngineSupervisor, FlagChecks
-from chandrad.errors import ChandradError, ConfigError, ExitCode, InternalError
+from chandrad.errors import ChandradError, ConfigError, ExitCode
 from chandrad.events import Event
 from chandrad.logs import configure_logging
 from chandrad.metrics import Metrics
 from chandrad.pipeline import Pipeline
 from chandrad.render import RenderPool
-from chandrad.states import DAEMON_TRANSITIONS, DaemonCommand, DaemonState, EngineState
+from chandrad.states import DaemonCommand, DaemonState, EngineState
 from chandrad.store import StoreBackend
 from chandrad.systemd import Notifier, WatchdogPinger
 from chandrad.tasks import TaskSupervisor
-from chandrad.watch import FolderWatcher, SettledFile
+from chandrad.watch import FolderWatcher
 
 log = structlog.get_logger("chandrad.daemon")
 
-TICK = 1.0
 #: glibc's malloc maps every block of at least this size apart and unmaps it when freed.
 #: The daemon holds page images as PNG (about half a megabyte each, ~120 at a time for a
 #: 64-seq engine); with glibc's default, whose threshold rises to the size of the first
@@ -67,29 +70,23 @@ TICK = 1.0
 #: figures (page size, peak and idle RSS with and without this, its CPU per page):
 #: bench/README.md, "Current figures".
 DAEMON_MMAP_THRESHOLD_BYTES = 256 << 10
-#: The states in which a settled file is handed to the pipeline.
-_ACCEPTING = (DaemonState.RUNNING, DaemonState.PAUSED, DaemonState.RELOADING)
 
 
 class Daemon:
-    """One running chandrad."""
+    """One running chandrad: builds the parts, gives each the collaborators it uses, runs
+    the main loop over the command queue. ``lifecycle`` owns the daemon's mutable state."""
 
     def __init__(self, config: Config, batch: BatchRun | None = None) -> None:
-        self.config = config
         #: ``chandrad batch``: no control socket, metrics or watcher; the batch feeds the
         #: pipeline and stops the daemon when its files are finished (``chandrad/batch.py``).
         self.batch = batch
-        self.state = DaemonState.STARTING
-        self.started = time.monotonic()
-        self.exit_code = ExitCode.OK
+        self.lifecycle = Lifecycle(config, on_change=self.notify_status)
         self.notifier = Notifier.from_env()
         self.queue = CommandQueue()
         self.tasks = TaskSupervisor(on_change=self.notify_status)
         # A task that stays dead starves systemd's watchdog: the service restarts.
         self.pinger = WatchdogPinger(self.notifier, healthy=self.tasks.healthy)
-        self.reloader = Reloader(self)
-        self.controls = Controls(self)
-        # The parts, built by start-up.
+        # The parts, built by start-up (the ones below the services, once these exist).
         self.store: StoreBackend | None = None
         #: One supervisor per engine (engine/replicas.py plans them), engine 0 first; the
         #: pipeline sees them through the dispatcher.
@@ -99,41 +96,37 @@ class Daemon:
         self.flag_checks = FlagChecks(FlagVerdictCache(
             flag_cache_dir(config.daemon.state_dir, os.environ)))
         self.pipeline: Pipeline | None = None
-        self.watcher: FolderWatcher | None = None
         self.render: RenderPool | None = None
         self.control: ControlServer | None = None
-        self.metrics = Metrics(self, lambda: report.metrics_info(self))
+        self.watching: Watching | None = None
+        self.reloader: Reloader | None = None
+        self.controls: Controls | None = None
+        self.metrics = Metrics(self, lambda: report.metrics_info(self.lifecycle.config,
+                                                                 self.engine))
         self.metrics_listener = MetricsListener(self.metrics)
+        #: Replaced by one over the store, engines and pipeline once start-up built them.
+        self.reporter = Reporter(self.lifecycle, self.tasks, self.metrics_listener)
+
+    # ------------------------------------------------------------ what metrics reads
+    @property
+    def state(self) -> DaemonState:
+        return self.lifecycle.state
+
+    @property
+    def watcher(self) -> FolderWatcher | None:
+        return self.watching.watcher if self.watching else None
 
     @property
     def engine(self) -> EngineSupervisor | None:
         """Engine 0 (the only one unless ``engine.replicas``/``cpu_affinity``/GPUs say more)."""
         return self.engines[0] if self.engines else None
 
-    # ------------------------------------------------------------ state and systemd
-    def set_state(self, new: DaemonState, reason: str = "") -> None:
-        """The only writer of ``state``; an edge ``DAEMON_TRANSITIONS`` forbids is a bug."""
-        old = self.state
-        if new is old:
-            return
-        if new not in DAEMON_TRANSITIONS[old]:
-            raise InternalError(f"illegal daemon transition {old.value} -> {new.value} "
-                                f"({reason})")
-        self.state = new
-        log.info(Event.DAEMON_STATE, old=old.value, new=new.value, reason=reason)
-        self.notify_status()
-
+    # ------------------------------------------------------------ systemd
     def status_line(self) -> str:
-        return report.status_line(self)
+        return self.reporter.status_line()
 
     def notify_status(self) -> None:
         self.notifier.status(self.status_line())
-
-    def tick(self) -> float:
-        """How long the main loop waits for a command: at most one watchdog interval, so
-        an idle but healthy loop has progressed before every ping is due."""
-        interval = self.pinger.interval
-        return TICK if interval is None else min(TICK, interval)
 
     # ------------------------------------------------------------ serve
     async def serve(self) -> int:
@@ -143,40 +136,49 @@ class Daemon:
             await self._main_loop()
         except ChandradError as exc:
             # cli.py maps the exception to the process status; daemon_stopped must say the same.
-            self.exit_code = exc.exit_code
+            self.lifecycle.set_exit_code(exc.exit_code)
             raise
         except Exception:
-            self.exit_code = ExitCode.SOFTWARE
+            self.lifecycle.set_exit_code(ExitCode.SOFTWARE)
             raise
         finally:
-            await shutdown.shutdown(self)
-        return int(self.exit_code)
+            await Shutdown(self.lifecycle, self.queue, self.notifier, self.tasks,
+                           self.metrics_listener, reloader=self.reloader,
+                           watching=self.watching, control=self.control,
+                           pipeline=self.pipeline, engines=self.engines, store=self.store,
+                           render=self.render).run()
+        return int(self.lifecycle.exit_code)
 
     async def _main_loop(self) -> None:
+        reloader, controls = self.reloader, self.controls
+        assert reloader is not None and controls is not None
         last_status = ""
         while True:
             self.pinger.progress()
-            command = await self.queue.next(self.tick())
+            command = await self.queue.next(tick(self.pinger.interval))
             if self.tasks.fatal is not None:
                 raise self.tasks.fatal
-            self.reloader.raise_if_crashed()
-            self.reloader.next()
+            reloader.raise_if_crashed()
+            reloader.next()
             if command is not None:
                 match command.name:
                     case DaemonCommand.SHUTDOWN_NOW:
                         return
                     case DaemonCommand.SHUTDOWN:
-                        await shutdown.drain_then_stop(self)
+                        assert self.pipeline is not None and self.watching is not None
+                        await Drain(self.lifecycle, self.queue, self.notifier, self.pinger,
+                                    self.pipeline, self.engines, reloader, self.watching,
+                                    controls).run()
                         return
                     case DaemonCommand.RELOAD:
-                        self.reloader.request(command)
+                        reloader.request(command)
                     case (DaemonCommand.PAUSE | DaemonCommand.RESUME | DaemonCommand.DRAIN
                           | DaemonCommand.CANCEL | DaemonCommand.RETRY
                           | DaemonCommand.ENGINE_RESTART):
-                        await self.controls.apply(command)
+                        await controls.apply(command)
                     case _:
                         assert_never(command.name)
-            self.controls.check_drained()
+            controls.check_drained()
             line = self.status_line()
             if line != last_status:
                 last_status = line
@@ -184,7 +186,7 @@ class Daemon:
 
     # ------------------------------------------------------------ wiring
     async def _startup(self) -> None:
-        cfg = self.config
+        cfg = self.lifecycle.config
         malloc.set_option(malloc.M_MMAP_THRESHOLD, DAEMON_MMAP_THRESHOLD_BYTES)
         loop = asyncio.get_running_loop()
         signals: tuple[tuple[signal.Signals, DaemonCommand], ...] = (
@@ -206,12 +208,13 @@ class Daemon:
         pipeline.observer = self.metrics
         for engine in self.engines:
             engine.observer = self.metrics
+        self._build_parts(pipeline)
         if self.batch is None:
+            assert self.controls is not None and self.watching is not None
             self.control = ControlServer(cfg.control_socket(), Handlers(self.controls),
                                          mode=cfg.control.mode, group=cfg.control.group)
             await self.control.start()
-            self.watcher = FolderWatcher(cfg.watch, self._on_settled, loop=loop)
-            await self.watcher.start()
+            await self.watching.start(cfg)
         # A flag verdict (a config error) from an engine task ends the daemon (exit 78).
         for engine in self.engines:
             self.tasks.start(engine_name(engine.engine_id), engine.run, stop_on=(ConfigError,))
@@ -222,15 +225,29 @@ class Daemon:
         if self.batch is not None:
             self.tasks.start("batch", self._run_batch)
         else:
-            self._start_watcher_task()
+            assert self.watching is not None
+            self.watching.supervise()
         if self.pinger.interval is not None:
             self.tasks.start("watchdog", self.pinger.run)
         if self.metrics_listener.waiting:
             self.tasks.start("metrics", self._wait_for_metrics_port)
-        self.set_state(DaemonState.RUNNING, "started")
+        self.lifecycle.set_state(DaemonState.RUNNING, "started")
         self.notifier.ready(self.status_line())
         log.info(Event.DAEMON_STARTED, version=__version__, pid=os.getpid(),
                  socket=str(cfg.control_socket()), watches=len(cfg.watch))
+
+    def _build_parts(self, pipeline: Pipeline) -> None:
+        """The parts over the services start-up built, each given what it uses."""
+        assert self.store is not None
+        lifecycle, queue = self.lifecycle, self.queue
+        self.watching = watching = Watching(lifecycle, self.tasks, pipeline)
+        self.reloader = reloader = Reloader(lifecycle, queue, self.engines, pipeline, watching,
+                                            self.notifier, self.status_line)
+        self.reporter = reporter = Reporter(
+            lifecycle, self.tasks, self.metrics_listener, reloader, store=self.store,
+            engines=self.engines, dispatcher=self.dispatcher, pipeline=pipeline)
+        self.controls = Controls(lifecycle, queue, self.store, pipeline, self.engines,
+                                 reporter, reloader, watching)
 
     def _take_early_signals(self, commands: dict[signal.Signals, DaemonCommand]) -> None:
         """Queue what arrived before the loop's handlers (``chandrad/early.py``): a stop
@@ -261,19 +278,14 @@ class Daemon:
             self.metrics.engine_failed(reason, engine_id)
         # exit_on_fatal: only once no engine is left to serve (one fatal replica among
         # healthy ones must not take the healthy ones down).
-        if (new is EngineState.FATAL and self.config.engine.exit_on_fatal
+        if (new is EngineState.FATAL and self.lifecycle.config.engine.exit_on_fatal
                 and all(e.state is EngineState.FATAL for e in self.engines)):
-            self.exit_code = ExitCode.UNAVAILABLE
+            self.lifecycle.set_exit_code(ExitCode.UNAVAILABLE)
             self.queue.put(DaemonCommand.SHUTDOWN_NOW)
 
     def _has_backlog(self) -> bool:
-        counts = report.queue_counts(self)
+        counts = report.queue_counts(self.store)
         return counts.get("pending", 0) + counts.get("active", 0) > 0
-
-    def _on_settled(self, settled: SettledFile) -> None:
-        if self.pipeline is not None and self.state in _ACCEPTING:
-            self.pipeline.submit(settled.watch_index, settled.root, settled.path, settled.size,
-                                 settled.mtime)
 
     async def _run_batch(self) -> None:
         """The batch's task: feed the pipeline, then stop the daemon once all is finished."""
@@ -290,28 +302,6 @@ class Daemon:
         await self.metrics_listener.wait_for_port()
         self.tasks.let_finish("metrics")
         self.notify_status()
-
-    # ------------------------------------------------------------ the watcher
-    def _start_watcher_task(self) -> None:
-        assert self.watcher is not None and self.pipeline is not None
-        self.tasks.start("watcher", self.watcher.run, quarantine=self.pipeline.quarantine,
-                         describe=describe_item)
-
-    def stop_watcher(self) -> None:
-        """Stop watching (drain, shutdown, or before a reload replaces the watcher)."""
-        if self.watcher is not None:
-            self.tasks.let_finish("watcher")
-            self.watcher.stop()
-
-    async def restart_watcher(self) -> None:
-        """A reload changed ``[[watch]]``: a new watcher over the new folders."""
-        if self.watcher is None:
-            return
-        self.stop_watcher()
-        self.watcher = FolderWatcher(self.config.watch, self._on_settled,
-                                     loop=asyncio.get_running_loop())
-        await self.watcher.start()
-        self._start_watcher_task()
 
 
 def run(config: Config) -> int:

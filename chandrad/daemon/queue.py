@@ -18,6 +18,15 @@ from typing import Any
 from chandrad.errors import ControlError, ControlErrorCode
 from chandrad.states import DaemonCommand
 
+#: The longest the main loop (or the SIGTERM drain) waits for the next command.
+TICK = 1.0
+
+
+def tick(watchdog_interval: float | None) -> float:
+    """How long the loop waits for a command: at most one watchdog interval, so an idle
+    but healthy loop has progressed before every ping is due."""
+    return TICK if watchdog_interval is None else min(TICK, watchdog_interval)
+
 
 @dataclass
 class Command:

@@ -12,21 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 
 from chandrad.config import Config, engine_settings_changed, load_config
-from chandrad.daemon.queue import Command
+from chandrad.daemon.lifecycle import Lifecycle
+from chandrad.daemon.queue import Command, CommandQueue
+from chandrad.daemon.watching import Watching
 from chandrad.daemon.wiring import plan_engines, watch_folder_problems
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import ConfigError, ConfigProblem, ControlError, ControlErrorCode
 from chandrad.events import Event
 from chandrad.logs import configure_logging
+from chandrad.pipeline import Pipeline
 from chandrad.states import DAEMON_TRANSITIONS, DaemonCommand, DaemonState, EngineState
-
-if TYPE_CHECKING:
-    from chandrad.daemon.core import Daemon
+from chandrad.systemd import Notifier
 
 log = structlog.get_logger("chandrad.daemon")
 
@@ -40,10 +42,22 @@ _CAN_RELOAD = (DaemonState.RUNNING, DaemonState.PAUSED, DaemonState.DRAINING,
 
 
 class Reloader:
-    """Owns the reload task, the reloads waiting for it and the phase shown in ``status``."""
+    """Owns the reload task, the reloads waiting for it and the phase shown in ``status``.
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    A reload that applies hands the new config to ``lifecycle`` (its owner), the engines,
+    the pipeline and the watcher; ``status_line`` is what it tells systemd afterwards.
+    """
+
+    def __init__(self, lifecycle: Lifecycle, queue: CommandQueue,
+                 engines: Sequence[EngineSupervisor], pipeline: Pipeline, watching: Watching,
+                 notifier: Notifier, status_line: Callable[[], str]) -> None:
+        self._lifecycle = lifecycle
+        self._queue = queue
+        self._engines = engines
+        self._pipeline = pipeline
+        self._watching = watching
+        self._notifier = notifier
+        self._status_line = status_line
         self._task: asyncio.Task[None] | None = None
         self._waiting: list[Command] = []
         #: What the running reload waits for, for the status line ("" when none does).
@@ -66,7 +80,7 @@ class Reloader:
         """
         if not self._waiting or (self._task is not None and not self._task.done()):
             return
-        if self.daemon.state not in _CAN_RELOAD:
+        if self._lifecycle.state not in _CAN_RELOAD:
             return
         command = self._waiting.pop(0)
         self._task = asyncio.create_task(self._run(command), name="reload")
@@ -93,21 +107,18 @@ class Reloader:
 
     def wait_timeout(self) -> float:
         """How long ``reload --wait`` waits for the restarted engine to become ready."""
-        engine = self.daemon.config.engine
+        engine = self._lifecycle.config.engine
         return engine.stop_timeout + engine.startup_timeout + RELOAD_WAIT_SLACK_S
 
     async def requested(self, wait: bool) -> dict[str, Any]:
         """``chandractl reload [--wait]``: queue a reload; with ``wait``, its result once
         the engines it restarted are ready (or gave up)."""
-        daemon = self.daemon
+        engines = self._engines
         if not wait:
-            daemon.queue.put(DaemonCommand.RELOAD)
+            self._queue.put(DaemonCommand.RELOAD)
             return {"queued": True}
-        assert daemon.engine is not None
-        generations = {e.engine_id: e.generation for e in daemon.engines}
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        daemon.queue.put(DaemonCommand.RELOAD, fut)
-        result = await fut
+        generations = {e.engine_id: e.generation for e in engines}
+        result = await self._queue.ask(DaemonCommand.RELOAD)
         if result.get("engine_restart"):
             restarted = set(result.get("engines_restarted") or ())
 
@@ -117,16 +128,16 @@ class Reloader:
             limit = self.wait_timeout()
             try:
                 async with asyncio.timeout(limit):
-                    while not all(settled(e) for e in daemon.engines if e.engine_id in restarted):
+                    while not all(settled(e) for e in engines if e.engine_id in restarted):
                         await asyncio.sleep(0.5)
             except TimeoutError:
                 raise ControlError(
                     ControlErrorCode.TIMEOUT,
                     f"config reloaded, but the new engine is not ready after "
                     f"{limit:g} s (engine.stop_timeout + engine.startup_timeout + "
-                    f"{RELOAD_WAIT_SLACK_S:g} s); it is {daemon.engine.state.value}: see "
+                    f"{RELOAD_WAIT_SLACK_S:g} s); it is {engines[0].state.value}: see "
                     "chandractl status") from None
-            result["engine_state"] = daemon.engine.state.value
+            result["engine_state"] = engines[0].state.value
         return result
 
     async def _run(self, command: Command) -> None:
@@ -145,8 +156,8 @@ class Reloader:
 
     def _end(self, previous: DaemonState, reason: str) -> None:
         """Back to the state the reload came from (a drain kept its own state meanwhile)."""
-        if self.daemon.state is DaemonState.RELOADING:
-            self.daemon.set_state(previous, reason)
+        if self._lifecycle.state is DaemonState.RELOADING:
+            self._lifecycle.set_state(previous, reason)
 
     def _refuse(self, previous: DaemonState, problems: list[str], message: str) -> ControlError:
         """Log the refusal, go back to the previous state; the error to answer with."""
@@ -154,22 +165,22 @@ class Reloader:
         # Cut so the line still shows the daemon's state after it (STATUS= holds 400).
         self.refused = " ".join(("; ".join(problems) or message).split())[:200]
         self._end(previous, "reload refused")
-        self.daemon.notifier.ready(self.daemon.status_line())
+        self._notifier.ready(self._status_line())
         return ControlError(ControlErrorCode.INVALID_STATE,
                             "new config refused, old one kept:\n" + message)
 
     async def _apply(self) -> dict[str, Any]:
         """Re-read the config; an invalid one is refused and the old one stays."""
-        daemon = self.daemon
-        assert daemon.engine is not None and daemon.pipeline is not None
-        previous = daemon.state
+        lifecycle, engines = self._lifecycle, self._engines
+        running = lifecycle.config
+        previous = lifecycle.state
         # A drain is not interrupted by a reload: the state stays draining/drained.
         shown = DaemonState.RELOADING if DaemonState.RELOADING in DAEMON_TRANSITIONS[previous] \
             else previous
-        daemon.set_state(shown, "reload requested")
-        daemon.notifier.reloading()
+        lifecycle.set_state(shown, "reload requested")
+        self._notifier.reloading()
         try:
-            new = load_config(daemon.config.path)
+            new = load_config(running.path)
         except ConfigError as exc:
             raise self._refuse(previous, [str(p) for p in exc.problems],
                                exc.message) from exc
@@ -179,37 +190,37 @@ class Reloader:
         except ConfigError as exc:
             problems = list(exc.problems)
             specs = []
-        if new.watch != daemon.config.watch:  # a missing input, a read-only folder: refused
+        if new.watch != running.watch:  # a missing input, a read-only folder: refused
             problems += await asyncio.to_thread(watch_folder_problems, new, create=True)
-        if not problems and engine_settings_changed(daemon.config, new) and new.engine.supervised:
+        if not problems and engine_settings_changed(running, new) and new.engine.supervised:
             self.phase = "checking the new engine flags with vLLM's parser"
-            daemon.notify_status()
-            problems = await daemon.engine.check_flags(specs[0].engine)
+            self._notifier.status(self._status_line())
+            problems = await engines[0].check_flags(specs[0].engine)
             self.phase = ""
         if problems:
             raise self._refuse(previous, [str(p) for p in problems],
                                "\n".join(str(p) for p in problems))
-        new, restart_needed = keep_start_only_settings(daemon.config, new)
-        if len(specs) != len(daemon.engines):
+        new, restart_needed = keep_start_only_settings(running, new)
+        if len(specs) != len(engines):
             # Engines are added or removed only at start: each has its own task, session
             # file and port, and the pipeline holds pages on them.
             restart_needed.append("engine.replicas")
         if restart_needed:
             log.warning("config_reload_partial", restart_needed=restart_needed)
-        if new.daemon != daemon.config.daemon:
+        if new.daemon != running.daemon:
             configure_logging(new.daemon.log_format, new.daemon.log_level)
         restarted = [engine.engine_id
-                     for engine, spec in zip(daemon.engines, specs, strict=False)
+                     for engine, spec in zip(engines, specs, strict=False)
                      if await engine.reconfigure(spec.engine, new.ocr)]
         restart = bool(restarted)
-        watches_changed = new.watch != daemon.config.watch
-        daemon.config = new
-        daemon.pipeline.config = new
+        watches_changed = new.watch != running.watch
+        lifecycle.set_config(new)
+        self._pipeline.config = new
         if watches_changed:
-            await daemon.restart_watcher()
+            await self._watching.restart(new)
         self.refused = ""
         self._end(previous, "reloaded")
-        daemon.notifier.ready(daemon.status_line())
+        self._notifier.ready(self._status_line())
         log.info(Event.CONFIG_RELOADED, engine_restart=restart, watches_changed=watches_changed)
         return {"reloaded": True, "engine_restart": restart, "watches_changed": watches_changed,
                 "restart_needed": restart_needed, "engines_restarted": restarted}

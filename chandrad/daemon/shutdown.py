@@ -8,6 +8,9 @@ answers them (``pause``, ``drain``: ``invalid_state``). The shutdown then closes
 socket, stops the tasks, the jobs and the engines within ``engine.stop_timeout`` +
 :data:`STOP_SLACK_S`, past which it logs what still ran and exits anyway; pages cut off go
 back to the queue for the next start.
+
+:class:`Drain` and :class:`Shutdown` are given the parts they stop; a part start-up did
+not get to build is ``None`` (or no engine), and is skipped.
 """
 
 from __future__ import annotations
@@ -15,18 +18,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import structlog
 
 from chandrad.config import Config
-from chandrad.daemon.wiring import engine_name
+from chandrad.control.server import ControlServer
+from chandrad.daemon.controls import Controls
+from chandrad.daemon.lifecycle import Lifecycle
+from chandrad.daemon.queue import CommandQueue, tick
+from chandrad.daemon.reload import Reloader
+from chandrad.daemon.watching import Watching
+from chandrad.daemon.wiring import MetricsListener, engine_name
+from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import StoreFull
 from chandrad.events import Event
+from chandrad.pipeline import Pipeline
+from chandrad.render import RenderPool
 from chandrad.states import DaemonCommand, DaemonState, EngineState
-
-if TYPE_CHECKING:
-    from chandrad.daemon.core import Daemon
+from chandrad.store import StoreBackend
+from chandrad.systemd import Notifier, WatchdogPinger
+from chandrad.tasks import TaskSupervisor
 
 log = structlog.get_logger("chandrad.daemon")
 
@@ -42,95 +54,139 @@ def drain_timeout(cfg: Config) -> float:
     return cfg.engine.stop_timeout + 60
 
 
-async def drain_then_stop(daemon: Daemon) -> None:
-    """SIGTERM: stop taking files, finish what is in flight, then return to be shut down."""
-    pipeline = daemon.pipeline
-    assert pipeline is not None and daemon.engine is not None
-    # Before the first await: no job may start while the reload is being cancelled.
-    # Finish what runs (a pause stays in force); the queue waits for the next start.
-    pipeline.set_mode(pipeline.mode.stopping())
-    await daemon.reloader.cancel()
-    daemon.set_state(DaemonState.STOPPING, "SIGTERM")
-    daemon.notifier.stopping("draining: finishing accepted pages")
-    daemon.stop_watcher()
-    # Jobs in flight finish their current pages only when an engine can serve them.
-    limit = drain_timeout(daemon.config)
-    deadline = time.monotonic() + limit
-    while (pipeline.active_jobs
-           and any(e.state is EngineState.READY for e in daemon.engines)
-           and time.monotonic() < deadline):
-        daemon.notifier.extend_timeout(DRAIN_EXTEND_S)
-        daemon.pinger.progress()
-        command = await daemon.queue.next(daemon.tick())
-        if command is None:
-            continue
-        if command.name is DaemonCommand.RELOAD:
-            command.refuse("reload")
-        elif command.name not in (DaemonCommand.SHUTDOWN, DaemonCommand.SHUTDOWN_NOW):
-            await daemon.controls.apply(command)  # a stopping daemon's own answers
-        else:  # a second SIGTERM (or the engine fatal with exit_on_fatal): stop now
-            log.warning("shutdown_escalated", command=command.name.value,
-                        active_jobs=pipeline.active_jobs,
-                        reason="stop draining: in-flight pages go back to the queue")
-            daemon.notifier.stopping("stopping now: pages in flight return to the queue")
-            break
-    else:
-        if pipeline.active_jobs and daemon.engine.state is EngineState.READY:
-            log.warning("drain_timeout", seconds=limit, active_jobs=pipeline.active_jobs)
+class Drain:
+    """SIGTERM: stop taking files, finish what is in flight, then return to be shut down.
+
+    Answers the commands that arrive meanwhile (``controls``: a stopping daemon's own
+    answers) and keeps systemd's watchdog fed (``pinger``).
+    """
+
+    def __init__(self, lifecycle: Lifecycle, queue: CommandQueue, notifier: Notifier,
+                 pinger: WatchdogPinger, pipeline: Pipeline,
+                 engines: Sequence[EngineSupervisor], reloader: Reloader, watching: Watching,
+                 controls: Controls) -> None:
+        self._lifecycle = lifecycle
+        self._queue = queue
+        self._notifier = notifier
+        self._pinger = pinger
+        self._pipeline = pipeline
+        self._engines = engines
+        self._reloader = reloader
+        self._watching = watching
+        self._controls = controls
+
+    async def run(self) -> None:
+        pipeline, notifier, engines = self._pipeline, self._notifier, self._engines
+        # Before the first await: no job may start while the reload is being cancelled.
+        # Finish what runs (a pause stays in force); the queue waits for the next start.
+        pipeline.set_mode(pipeline.mode.stopping())
+        await self._reloader.cancel()
+        self._lifecycle.set_state(DaemonState.STOPPING, "SIGTERM")
+        notifier.stopping("draining: finishing accepted pages")
+        self._watching.stop()
+        # Jobs in flight finish their current pages only when an engine can serve them.
+        limit = drain_timeout(self._lifecycle.config)
+        deadline = time.monotonic() + limit
+        while (pipeline.active_jobs
+               and any(e.state is EngineState.READY for e in engines)
+               and time.monotonic() < deadline):
+            notifier.extend_timeout(DRAIN_EXTEND_S)
+            self._pinger.progress()
+            command = await self._queue.next(tick(self._pinger.interval))
+            if command is None:
+                continue
+            if command.name is DaemonCommand.RELOAD:
+                command.refuse("reload")
+            elif command.name not in (DaemonCommand.SHUTDOWN, DaemonCommand.SHUTDOWN_NOW):
+                await self._controls.apply(command)  # a stopping daemon's own answers
+            else:  # a second SIGTERM (or the engine fatal with exit_on_fatal): stop now
+                log.warning("shutdown_escalated", command=command.name.value,
+                            active_jobs=pipeline.active_jobs,
+                            reason="stop draining: in-flight pages go back to the queue")
+                notifier.stopping("stopping now: pages in flight return to the queue")
+                break
+        else:
+            if pipeline.active_jobs and engines[0].state is EngineState.READY:
+                log.warning("drain_timeout", seconds=limit, active_jobs=pipeline.active_jobs)
 
 
-async def shutdown(daemon: Daemon) -> None:
+class Shutdown:
     """Stop every part within the deadline, give unfinished pages back, close the store."""
-    await daemon.reloader.cancel()
-    daemon.queue.refuse_all()
-    if daemon.state is not DaemonState.STOPPING:
-        daemon.set_state(DaemonState.STOPPING, "shutdown")
-    daemon.notifier.stopping("stopping the engine")
-    limit = daemon.config.engine.stop_timeout + STOP_SLACK_S
-    daemon.notifier.extend_timeout(limit + 10)
-    try:
-        async with asyncio.timeout(limit):
-            await _stop_parts(daemon)
-    except TimeoutError:
-        log.error("shutdown_deadline", seconds=limit,
-                  still_running=[t["name"] for t in daemon.tasks.snapshot()
-                                 if t["state"] not in ("stopped", "dead")],
-                  reason="exiting anyway; an engine left behind is stopped at the "
-                         "next start (engine.session)")
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(5):
-                await daemon.tasks.stop()
-    if daemon.store is not None:
-        # Pages cut off by the stop go back to the queue for the next start (which
-        # releases them itself when a full store refuses it now).
+
+    def __init__(self, lifecycle: Lifecycle, queue: CommandQueue, notifier: Notifier,
+                 tasks: TaskSupervisor, metrics_listener: MetricsListener, *,
+                 reloader: Reloader | None, watching: Watching | None,
+                 control: ControlServer | None, pipeline: Pipeline | None,
+                 engines: Sequence[EngineSupervisor], store: StoreBackend | None,
+                 render: RenderPool | None) -> None:
+        self._lifecycle = lifecycle
+        self._queue = queue
+        self._notifier = notifier
+        self._tasks = tasks
+        self._metrics_listener = metrics_listener
+        self._reloader = reloader
+        self._watching = watching
+        self._control = control
+        self._pipeline = pipeline
+        self._engines = engines
+        self._store = store
+        self._render = render
+
+    async def run(self) -> None:
+        lifecycle, notifier, tasks, store = (self._lifecycle, self._notifier, self._tasks,
+                                             self._store)
+        if self._reloader is not None:
+            await self._reloader.cancel()
+        self._queue.refuse_all()
+        if lifecycle.state is not DaemonState.STOPPING:
+            lifecycle.set_state(DaemonState.STOPPING, "shutdown")
+        notifier.stopping("stopping the engine")
+        limit = lifecycle.config.engine.stop_timeout + STOP_SLACK_S
+        notifier.extend_timeout(limit + 10)
         try:
-            daemon.store.release_all_in_flight()
-        except StoreFull as exc:
-            log.warning("store_full_at_stop", error=exc.message,
-                        reason="pages in flight are released at the next start")
-        daemon.store.close()
-    if daemon.render is not None:
-        daemon.render.close()
-    log.info(Event.DAEMON_STOPPED, exit_code=int(daemon.exit_code))
+            async with asyncio.timeout(limit):
+                await self._stop_parts()
+        except TimeoutError:
+            log.error("shutdown_deadline", seconds=limit,
+                      still_running=[t["name"] for t in tasks.snapshot()
+                                     if t["state"] not in ("stopped", "dead")],
+                      reason="exiting anyway; an engine left behind is stopped at the "
+                             "next start (engine.session)")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await tasks.stop()
+        if store is not None:
+            # Pages cut off by the stop go back to the queue for the next start (which
+            # releases them itself when a full store refuses it now).
+            try:
+                store.release_all_in_flight()
+            except StoreFull as exc:
+                log.warning("store_full_at_stop", error=exc.message,
+                            reason="pages in flight are released at the next start")
+            store.close()
+        if self._render is not None:
+            self._render.close()
+        log.info(Event.DAEMON_STOPPED, exit_code=int(lifecycle.exit_code))
 
-
-async def _stop_parts(daemon: Daemon) -> None:
-    """Close the control socket (a request still inside a command is answered that the
-    daemon stops), stop the jobs, the loops and the engine, in that order."""
-    daemon.stop_watcher()
-    if daemon.control is not None:
-        await daemon.control.close()
-    await daemon.metrics_listener.close()
-    await daemon.tasks.stop("batch", "intake", "dispatch", "watcher", "watchdog")
-    if daemon.pipeline is not None:
-        # Before the store closes: a job cancelled later would find it closed.
-        await daemon.pipeline.stop_jobs()
-    names = [engine_name(e.engine_id) for e in daemon.engines]
-    for engine, name in zip(daemon.engines, names, strict=True):
-        daemon.tasks.let_finish(name)  # every engine stops at once, each its own session
-        await engine.shutdown()
-    runners = [t for t in map(daemon.tasks.runner, names) if t is not None]
-    if runners:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(asyncio.gather(*runners))
-    await daemon.tasks.stop()
+    async def _stop_parts(self) -> None:
+        """Close the control socket (a request still inside a command is answered that the
+        daemon stops), stop the jobs, the loops and the engine, in that order."""
+        tasks = self._tasks
+        if self._watching is not None:
+            self._watching.stop()
+        if self._control is not None:
+            await self._control.close()
+        await self._metrics_listener.close()
+        await tasks.stop("batch", "intake", "dispatch", "watcher", "watchdog")
+        if self._pipeline is not None:
+            # Before the store closes: a job cancelled later would find it closed.
+            await self._pipeline.stop_jobs()
+        names = [engine_name(e.engine_id) for e in self._engines]
+        for engine, name in zip(self._engines, names, strict=True):
+            tasks.let_finish(name)  # every engine stops at once, each its own session
+            await engine.shutdown()
+        runners = [t for t in map(tasks.runner, names) if t is not None]
+        if runners:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.gather(*runners))
+        await tasks.stop()
