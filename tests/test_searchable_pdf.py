@@ -195,10 +195,15 @@ def test_pdf_text_pages_add_lays_text_over_a_page_that_has_its_own(tmp_path: Pat
 
 
 def test_text_layer_is_invisible(tmp_path: Path) -> None:
-    """Render mode 3: the page looks exactly as the source's does."""
+    """Render mode 3 (qpdf's uncompressed view of the content streams), and the page
+    looks exactly as the source's does."""
     source = CORPUS_DIR / "good" / "scan_book-page_c02-22.pdf"
     out = tmp_path / "out.pdf"
     out.write_bytes(render.searchable_pdf(source, _layouts(source), "skip"))
+    qdf = subprocess.run(["qpdf", "--qdf", "--object-streams=disable", str(out), "-"],
+                         check=True, capture_output=True, timeout=60).stdout
+    font = f"/{textlayer.FONT_NAME} 1 Tf".encode()
+    assert qdf.count(font) == qdf.count(b"BT 3 Tr " + font) == 1
     for pdf, prefix in ((source, "a"), (out, "b")):
         subprocess.run(["pdftoppm", "-r", "20", "-png", str(pdf), str(tmp_path / prefix)],
                        check=True, timeout=60)
@@ -240,6 +245,8 @@ def _heic(path: Path) -> Path:
 
 
 def test_daemon_writes_a_searchable_pdf_accepts_avif_and_refuses_heic(tmp_path: Path) -> None:
+    """Each watched document gets its PDF, claimed with the other outputs; HEIC goes to
+    failed/ saying how to convert."""
     engine = StandinServer(tmp_path / "engine", {"default": {"content": ANSWER.format(
         tag="daemon")}}).start()
     daemon = Daemon(tmp_path / "d", f'[engine]\nurl = "{engine.url}"\n'

@@ -40,7 +40,7 @@ from chandrad.store.records import Job
 log = structlog.get_logger("chandrad.api")
 
 #: Result formats: the outputs the pipeline writes, its metadata and the input itself.
-RESULT_FORMATS = ("md", "html", "json", "metadata", "input")
+RESULT_FORMATS = ("md", "html", "json", "pdf", "metadata", "input")
 #: A multipart body may exceed ``max_upload`` by this much (boundaries, part headers).
 MULTIPART_SLACK = 64 << 10
 #: Seconds a client is told to wait while the daemon accepts no upload.
@@ -356,4 +356,5 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
 
 def _media_type(fmt: str) -> str | None:
     return {"md": "text/markdown; charset=utf-8", "html": "text/html; charset=utf-8",
-            "json": "application/json", "metadata": "application/json"}.get(fmt)
+            "json": "application/json", "pdf": "application/pdf",
+            "metadata": "application/json"}.get(fmt)
