@@ -4,9 +4,11 @@ Qwen vision tower and processor with Chandra's pixel bounds) on corpus documents
 
 One engine start for the module. vLLM's start-up lines about the hybrid model's KV cache and
 Mamba state are printed (``-s`` shows them) and the ones that prove the hybrid path is taken
-are asserted. The Mamba-cache start-up limit is not exercised: vLLM checks it only when it
-captures full CUDA graphs, which the CPU backend never does (its message tests stay in
-test_classify.py, and test_mamba_engine.py drives the daemon through it with the stand-in).
+are asserted. Last, a reload lowers ``ocr.max_output_tokens`` below the planted answer:
+Chandra's prompt ends in "length" and the page is kept, truncated. The Mamba-cache start-up
+limit is not exercised: vLLM checks it only when it captures full CUDA graphs, which the CPU
+backend never does (its message tests stay in test_classify.py, and test_mamba_engine.py
+drives the daemon through it with the stand-in).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import tiny_model
 from daemon_harness import OCR_REAL_ENGINE, Daemon, drop, real_engine
 
 pytestmark = pytest.mark.engine
@@ -103,3 +106,25 @@ def test_corpus_documents_reach_done_with_chandra_output(daemon: Daemon,
         assert (daemon.done / name).is_file()
         pages += len(doc["pages"])
     print(f"\n{len(names)} files, {pages} pages in {elapsed:.1f}s on the tiny Chandra 2")
+
+
+def test_answer_cut_at_max_output_tokens_is_kept_truncated(daemon: Daemon,
+                                                           corpus_dir: Path) -> None:
+    """Chandra's prompt on the hybrid model with an output limit below the planted answer
+    (reloaded, no engine restart): vLLM ends the answer with "length"; the page is kept, cut
+    off and marked truncated after one attempt, and the job is done (no retry)."""
+    limit = 16
+    assert limit < tiny_model.PLANTED_TOKENS
+    daemon.ocr = {**OCR, "max_output_tokens": limit}
+    daemon.config.write_text(daemon.config_text())
+    assert daemon.ctl_json("reload", "--wait", timeout=120)["engine_restart"] is False
+    drop(corpus_dir / DOCUMENTS[0], daemon.inbox, name="cut.png")
+    jobs = daemon.wait_jobs_final({"cut.png"}, JOB_TIMEOUT)
+    assert jobs["cut.png"]["state"] == "done", (jobs["cut.png"], daemon.tail())
+    out = daemon.output / "cut"
+    page = json.loads((out / "cut.json").read_text())["pages"][0]
+    assert (page["status"], page["attempts"], page["truncated"]) == ("ok", 1, True), page
+    assert json.loads((out / "cut_metadata.json").read_text())["pages_truncated"] == 1
+    labels = {b["label"] for b in page["blocks"]}  # the answer's first 16 of 22 tokens
+    assert "Text" in labels and "Equation-Block" not in labels, labels
+    assert "Tiny model page." in (out / "cut.md").read_text()
