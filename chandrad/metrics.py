@@ -295,8 +295,26 @@ class Metrics:
     def profile_changed(self, reason: str, engine: str = "0") -> None:
         self._changes.labels(engine, reason).inc()
 
+    def count_webhooks(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export the HTTP API's webhook outbox (``pending``, ``delivered``,
+        ``undeliverable``), read from the store at scrape time."""
+        self.registry.register(_WebhookCollector(counts))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WebhookCollector(Collector):
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        fam = GaugeMetricFamily("chandrad_webhooks", "The HTTP API's webhooks in the store's "
+                                "outbox by state (undeliverable: given up after "
+                                "api.webhook_deadline).", labels=["state"])
+        for state, n in self.counts().items():
+            fam.add_metric([state], float(n))
+        yield fam
 
 
 # ------------------------------------------------------------------ the listener

@@ -234,6 +234,22 @@ class ThroughputStatus(TypedDict):
     pages_waiting: NotRequired[int]  #: rendered, waiting for a request slot
 
 
+class QueuedJob(TypedDict):
+    """A pending job and the pending jobs that start before it."""
+
+    id: int
+    file: str
+    queue_position: int
+
+
+class ApiStatus(TypedDict):
+    """The HTTP job API (``[api]``): where it listens, its webhooks."""
+
+    listen: str | None
+    #: ``pending``, ``delivered``, ``undeliverable`` counts and ``given_up`` (the last five)
+    webhooks: dict[str, Any] | None
+
+
 class StatusReply(TypedDict):
     """The ``status`` result."""
 
@@ -243,9 +259,12 @@ class StatusReply(TypedDict):
     engine: EngineStatus  #: engine 0, kept for one release beside ``engines``
     engines: list[EngineStatus]
     queue: dict[str, int]
+    #: The next pending jobs to start, with their queue positions (at most five).
+    next_jobs: NotRequired[list[QueuedJob]]
     held: HeldStatus
     throughput: ThroughputStatus
     gpus: list[GpuStatus]
+    api: NotRequired[ApiStatus]
 
 
 @dataclass(frozen=True)

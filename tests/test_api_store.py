@@ -96,6 +96,8 @@ def test_queue_position_counts_pending_jobs_ahead(store: Store, tmp_path: Path) 
     assert [table.queue_position(i) for i in ids] == [0, 1, 2, 3]
     store.set_job_state(ids[0], JobState.RUNNING)
     assert [table.queue_position(i) for i in ids[1:]] == [0, 1, 2]
+    assert table.queue_positions(ids) == {ids[1]: 0, ids[2]: 1, ids[3]: 2}
+    assert table.queue_positions([ids[2]]) == {ids[2]: 1} and table.queue_positions([]) == {}
 
 
 def test_attempts_backoff_and_giving_up(store: Store, tmp_path: Path) -> None:

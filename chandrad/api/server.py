@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from typing import Any
 
 import structlog
 import uvicorn
@@ -25,6 +24,7 @@ from chandrad.api.uploads import UploadDir
 from chandrad.api.webhooks import WebhookSender
 from chandrad.config import Config, key_line
 from chandrad.errors import ConfigError, ConfigProblem
+from chandrad.protocol import ApiStatus
 from chandrad.store import StoreBackend
 
 log = structlog.get_logger("chandrad.api")
@@ -131,7 +131,11 @@ class ApiServer:
         if self._socket is not None:
             self._socket.close()
 
-    def status(self) -> dict[str, Any]:
+    def webhook_counts(self) -> dict[str, int]:
+        """The outbox's webhooks pending, delivered and given up (``/metrics``)."""
+        return self.sender.table.outbox_counts() if self.sender else {}
+
+    def status(self) -> ApiStatus:
         """``status``'s ``api``: where it listens, the webhooks' counts."""
         return {"listen": self.address or None,
                 "webhooks": self.sender.status() if self.sender else None}

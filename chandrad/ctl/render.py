@@ -131,6 +131,20 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
     summary.rows.append(("queue", "  ".join(
         f"{k} {text(queue.get(k, 0))}" for k in ("pending", "active", "held", "done", "failed")
         if k != "held" or queue.get(k))))
+    upcoming = [j for j in r.get("next_jobs") or [] if isinstance(j, dict)]
+    if upcoming:
+        summary.rows.append(("next", "  ".join(
+            f"#{text(j.get('id'))} {text(j.get('file'))} ({text(j.get('queue_position'))} ahead)"
+            for j in upcoming)))
+    hooks = (r.get("api") or {}).get("webhooks") or {}
+    if hooks:
+        summary.rows.append(("webhooks", "  ".join(
+            f"{k} {text(hooks.get(k, 0))}" for k in ("pending", "delivered", "undeliverable"))))
+        for gone in (hooks.get("given_up") or [])[:3]:
+            if isinstance(gone, dict):
+                summary.rows.append((f"webhook job {text(gone.get('job'))}",
+                                     f"undeliverable after {text(gone.get('attempts'))} "
+                                     f"attempts: {text(gone.get('error'))}"))
     held = r.get("held") or {}
     for job in (held.get("jobs") or [])[:10]:
         if isinstance(job, dict):
@@ -232,7 +246,10 @@ def queue_blocks(r: dict[str, Any]) -> list[Block]:
         if not isinstance(j, dict):
             continue
         pages = f"{text(j.get('pages_done', 0))}/{text(j.get('pages_total', '?'))}"
-        rows.append((text(j.get("id")), text(j.get("state")), pages,
+        state = text(j.get("state"))
+        if j.get("queue_position") is not None:  # pending: the jobs that start before it
+            state += f" ({text(j['queue_position'])} ahead)"
+        rows.append((text(j.get("id")), state, pages,
                      text(j.get("attempts", 0)), text(j.get("path")), _job_error(j)))
     return [Block(title, rows, ("job", "state", "pages", "attempts", "file", "error"))]
 

@@ -103,6 +103,17 @@ class ApiTable:
             (job_id,)).fetchone()
         return int(row[0])
 
+    def queue_positions(self, job_ids: list[int]) -> dict[int, int]:
+        """:meth:`queue_position` of each pending job among ``job_ids`` (others left out),
+        from one scan of the pending jobs."""
+        if not job_ids:
+            return {}
+        pending = [int(r[0]) for r in self._db.conn.execute(
+            "SELECT id FROM jobs WHERE state = 'pending' AND id <= ? ORDER BY id",
+            (max(job_ids),)).fetchall()]
+        wanted = set(job_ids)
+        return {job_id: rank for rank, job_id in enumerate(pending) if job_id in wanted}
+
     # -- the webhook outbox ----------------------------------------------------------
     def due(self, now: float, limit: int = 50) -> list[OutboxItem]:
         """Webhooks due now (neither delivered nor given up), oldest first."""
