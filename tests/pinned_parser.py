@@ -46,8 +46,9 @@ def pinned_python() -> Path | None:
     return python if python.is_file() else None
 
 
-def previewed_flags(mib: int) -> tuple[str, ...]:
-    """What ``check-config --gpu-memory <mib>MiB`` builds for the default config."""
+def previewed_flags(mib: int, **ladder: Any) -> tuple[str, ...]:
+    """What ``check-config --gpu-memory <mib>MiB`` builds for the default config; ``ladder``:
+    knobs of the memory profile turned as the downshift ladder turns them."""
     from chandrad import config, gpu
     from chandrad.engine import command
     from chandrad.engine.profile import initial_profile
@@ -55,7 +56,7 @@ def previewed_flags(mib: int) -> tuple[str, ...]:
     engine = config.EngineConfig()
     sizing = gpu.sizing_gpu(gpu.preview_gpus(mib * MIB), engine.gpus)
     assert sizing is not None
-    profile = initial_profile(engine.memory, sizing.memory_total / 2**30)
+    profile = initial_profile(engine.memory, sizing.memory_total / 2**30).with_changes(**ladder)
     return command.build_engine_command(engine, profile, base_env={}).flags
 
 

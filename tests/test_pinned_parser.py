@@ -23,6 +23,10 @@ from test_launch import CARDS
 
 from chandrad.engine import launch
 
+#: Every knob the downshift ladder may turn on a GPU, at once (engine/profile.py).
+LADDER = {"gpu_memory_utilization": 0.6, "max_num_seqs": 4, "max_num_batched_tokens": 1024,
+          "max_model_len": 8192, "block_size": 32, "enforce_eager": True, "cpu_offload_gb": 4.0,
+          "kv_cache_memory_bytes": 8 << 30, "mm_processor_cache_gb": 0.0}
 SWAP_PROBE = ("--swap-space", "4")
 NVFP4_PROBE = ("--kv-cache-dtype", "nvfp4")
 
@@ -37,6 +41,7 @@ def verdict() -> dict[str, Any]:
         pytest.skip(message)
     h100 = list(previewed_flags(81559))
     flag_sets = {card: list(previewed_flags(mib)) for card, mib, _ in CARDS}
+    flag_sets["ladder"] = list(previewed_flags(81559, **LADDER))
     flag_sets["probe-swap"] = [*h100, *SWAP_PROBE]
     flag_sets["probe-nvfp4"] = [*h100, *NVFP4_PROBE]
     return judge(Path(python), flag_sets)
@@ -57,3 +62,12 @@ def test_preview_passes_the_pinned_parser(verdict: dict[str, Any], card: str, mi
     """Every flag chandrad previews for the card is one vLLM 0.17 knows, with a valid value."""
     assert verdict["problems"][card] == [], (card, previewed_flags(mib), verdict["problems"][card])
 
+
+def test_every_ladder_knob_passes_the_pinned_parser(verdict: dict[str, Any]) -> None:
+    """The H100 preview with every knob the downshift ladder turns (eager, CPU offload, an
+    explicit KV size, a block size, no multimodal cache...) is one vLLM 0.17 accepts."""
+    flags = previewed_flags(81559, **LADDER)
+    for flag in ("--enforce-eager", "--cpu-offload-gb", "--kv-cache-memory-bytes",
+                 "--block-size", "--mm-processor-cache-gb"):
+        assert flag in flags, flag
+    assert verdict["problems"]["ladder"] == [], (flags, verdict["problems"]["ladder"])
