@@ -289,7 +289,8 @@ def _check_config(args: argparse.Namespace) -> int:
     engine = cfg.engine
     say = (lambda *_: None) if args.json else print
     say(f"config {path}: syntax, keys, types and ranges OK")
-    unit_problems = _unit_problems(cfg, args.unit, path, say) + _folder_problems(cfg)
+    unit_problems = (_unit_problems(cfg, args.unit, path, say) + _folder_problems(cfg)
+                     + _api_problems(cfg))
     if not engine.supervised:
         problems = unit_problems + _url_problems(engine.url)
         say(f"engine: remote at {engine.base_url} (engine.url); chandrad supervises no "
@@ -364,6 +365,20 @@ def _folder_problems(cfg: config.Config) -> list[errors.ConfigProblem]:
     folder), judged without creating anything."""
     wiring = importlib.import_module("chandrad.daemon.wiring")
     problems: list[errors.ConfigProblem] = wiring.watch_folder_problems(cfg, create=False)
+    return problems
+
+
+def _api_problems(cfg: config.Config) -> list[errors.ConfigProblem]:
+    """``[api]``'s tokens and webhook key files, read and checked as ``run`` reads them."""
+    if not cfg.api.enabled:
+        return []
+    tokens = importlib.import_module("chandrad.api.tokens")
+    problems: list[errors.ConfigProblem] = []
+    for load in (tokens.load_tokens, tokens.load_secret):
+        try:
+            load(cfg)
+        except errors.ConfigError as exc:
+            problems += exc.problems
     return problems
 
 

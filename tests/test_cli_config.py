@@ -197,3 +197,19 @@ def test_interrupt_during_check_is_clean_exit_0(tmp_path: Path, delay: float) ->
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert "engine command" not in out
+
+
+def test_check_config_refuses_a_tokens_file_others_may_read(tmp_path: Path) -> None:
+    """``[api]``'s tokens file is read as ``run`` reads it: mode o+r is exit 78 naming the
+    key and its line; mode 0600 passes."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice 0123456789abcdef0123\n")
+    tokens.chmod(0o644)
+    path = _config(tmp_path, engine='url = "http://gpu-box:8000/v1"\n',
+                   extra=f'[api]\nenabled = true\ntokens_file = "{tokens}"\n')
+    done = _chandrad("check-config", "--config", str(path))
+    assert done.returncode == 78, done.stderr
+    assert done.stderr.startswith(f"{path}:15: api.tokens_file: ") and "readable by others" in (
+        done.stderr), done.stderr
+    tokens.chmod(0o600)
+    assert _chandrad("check-config", "--config", str(path)).returncode == 0
