@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from chandrad.api.tokens import load_secret, load_tokens
-from chandrad.api.uploads import safe_filename
+from chandrad.api.uploads import UploadDir, safe_filename
 from chandrad.api.webhooks import backoff, sign
 from chandrad.config import parse_config
 from chandrad.errors import ConfigError, ExitCode, InternalError
@@ -177,3 +177,23 @@ def test_safe_filename(raw: str | None, kept: str) -> None:
 def test_safe_filename_has_no_control_characters_and_fits() -> None:
     name = safe_filename("new\nline\x00" + "é" * 300 + ".pdf")
     assert "\n" not in name and "\x00" not in name and len(name.encode()) <= 255
+
+
+def test_sweep_removes_uploads_never_accepted(store: Store, tmp_path: Path) -> None:
+    """At start, an upload renamed into the inbox whose accept never happened (the daemon
+    died in between: no 202 was sent) and empty upload folders are removed; accepted ones
+    stay."""
+    uploads = UploadDir(tmp_path / "inbox", tmp_path / "tmp")
+    uploads.prepare()
+    root = (tmp_path / "inbox").resolve()
+    for folder, name in (("a", "kept.pdf"), ("b", "orphan.pdf")):
+        (root / folder).mkdir()
+        (root / folder / name).write_bytes(b"%PDF-1.4")
+    (root / "c").mkdir()
+    (tmp_path / "tmp" / "half.part").write_bytes(b"%PDF")
+    assert store.accept(-1, root, root / "a" / "kept.pdf", 8, 1.0, "k") is not None
+    gone = uploads.sweep(lambda p: store.find_active(p) is not None)
+    assert gone == [root / "b" / "orphan.pdf"]
+    assert sorted(p.name for p in root.iterdir()) == ["a"]
+    uploads.prepare()
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -65,6 +65,9 @@ class ApiServer:
         for folder in (watch.output, watch.done, watch.failed):
             folder.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(uploads.prepare)
+        for orphan in uploads.sweep(lambda path: self.store.find_active(path) is not None):
+            log.warning("api_upload_orphan_removed", file=str(orphan),
+                        reason="renamed into the inbox, never accepted (no 202 was sent)")
         self.sender = WebhookSender(self.store, secret, cfg.api.webhook_deadline)
         app = Api(cfg, self.store, self.door, tokens, secret, uploads).app()
         self._socket = self._bind()

@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import os
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +74,23 @@ class UploadDir:
         for leftover in self.tmp.iterdir():
             with contextlib.suppress(OSError):
                 leftover.unlink()
+
+    def sweep(self, accepted: Callable[[Path], bool]) -> list[Path]:
+        """Remove the uploads a stopped daemon renamed into the inbox but never accepted
+        (``accepted(path)`` false: no open job has it); they were never answered 202."""
+        root = Path(os.path.realpath(self.inbox))
+        gone = []
+        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            files = [f for f in folder.iterdir() if f.is_file()]
+            if files and any(accepted(f) for f in files):
+                continue
+            for f in files:
+                with contextlib.suppress(OSError):
+                    f.unlink()
+                gone.append(f)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        return gone
 
     async def receive(self, chunks: AsyncIterator[bytes], limit: int) -> Received:
         """Write ``chunks`` to a new temporary file, fsynced; TooLarge past ``limit``."""
