@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 if TYPE_CHECKING:
     import pymupdf
@@ -521,6 +521,10 @@ def render_page(
 _DPI_RANGE = (10.0, 10000.0)
 #: EXIF orientation → degrees PyMuPDF's ``insert_image`` turns the stored JPEG by.
 _JPEG_TURNS = {1: 0, 3: 180, 6: 270, 8: 90}
+#: TIFF tags read back from a G4 encoding (TIFF 6.0).
+_PHOTOMETRIC, _STRIP_OFFSETS, _ROWS_PER_STRIP, _STRIP_BYTE_COUNTS = 262, 273, 278, 279
+#: Pillow built with libtiff, which writes G4 (else 1-bit frames go in as PNG).
+_LIBTIFF = bool(features.check("libtiff"))
 
 
 def _dpi(img: Image.Image) -> tuple[float, float]:
@@ -548,10 +552,30 @@ def _frame(path: Path, img: Image.Image, index: int) -> textlayer.Frame:
             dpi = (dpi[1], dpi[0])
         return textlayer.Frame(width, height, dpi, path.read_bytes(), _JPEG_TURNS[orientation])
     oriented = ImageOps.exif_transpose(img) if orientation in _TURNS else img
+    if oriented.mode == "1" and _LIBTIFF:
+        return _g4_frame(oriented, dpi)
     pixels = oriented if oriented.mode == "1" else _to_page_mode(oriented)
     buf = io.BytesIO()
     pixels.save(buf, format="PNG", compress_level=1)  # MuPDF inflates and deflates it again
     return textlayer.Frame(pixels.width, pixels.height, dpi, buf.getvalue())
+
+
+def _g4_frame(img: Image.Image, dpi: tuple[float, float]) -> textlayer.Frame:
+    """A 1-bit frame as a CCITT G4 stream: libtiff encodes it as a one-strip TIFF, whose
+    strip is the stream (its photometric interpretation gives ``BlackIs1``)."""
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="TIFF", compression="group4", tiffinfo={_ROWS_PER_STRIP: img.height})
+    data = buf.getvalue()
+    with Image.open(io.BytesIO(data)) as tiff:
+        tags = tiff.tag_v2  # type: ignore[attr-defined]
+        offsets, counts = tags[_STRIP_OFFSETS], tags[_STRIP_BYTE_COUNTS]
+        min_is_black = tags.get(_PHOTOMETRIC, 0) == 1
+    if len(offsets) != 1:
+        raise InputError(f"G4 encoding gave {len(offsets)} strips, not one")
+    return textlayer.Frame(img.width, img.height, dpi, data[offsets[0]:offsets[0] + counts[0]],
+                           g4_black_is_1=min_is_black)
 
 
 def searchable_pdf(path: Path, layouts: list[textlayer.PageLayout], text_pages: str) -> bytes:

@@ -24,7 +24,7 @@ opens the source and hands over the open document or the decoded frames.
   ``"add"``.
 * **Image input**: each frame becomes a page of its size at its resolution (its dpi,
   72 when it has none), the image drawn over the whole page; JPEG bytes are kept as they
-  are.
+  are, a 1-bit frame (a fax, a bilevel scan) is stored as CCITT G4.
 """
 
 # PyMuPDF ships partial annotations: many of its methods are untyped.
@@ -68,14 +68,17 @@ class PageLayout:
 @dataclass(frozen=True)
 class Frame:
     """One page of an image input: its pixels' size, its resolution, the image as the
-    PDF embeds it (JPEG bytes as they are, else PNG) and the turn that shows it upright
-    (``rotate``: degrees, as PyMuPDF's ``insert_image`` takes them)."""
+    PDF embeds it (JPEG bytes as they are, a 1-bit frame as a CCITT G4 stream, else PNG)
+    and the turn that shows it upright (``rotate``: degrees, as PyMuPDF's
+    ``insert_image`` takes them)."""
 
     width: int  # as shown (after the turn)
     height: int
     dpi: tuple[float, float]
     data: bytes
     rotate: int = 0
+    #: ``data`` is a CCITT Group 4 stream (no TIFF around it); its ``BlackIs1``.
+    g4_black_is_1: bool | None = None
 
 
 # ---------------------------------------------------------------- the glyphless font
@@ -321,8 +324,11 @@ def _add_layer(doc: pymupdf.Document, page: pymupdf.Page, layout: PageLayout,
 def pdf_with_layer(doc: pymupdf.Document, layouts: list[PageLayout],
                    text_pages: str = "skip") -> bytes:
     """``doc`` (a PDF, changed in place) with a text layer on each page that has blocks
-    (and, with ``text_pages="skip"``, no text of its own), saved incrementally-free as
-    one compact file."""
+    (and, with ``text_pages="skip"``, no text of its own), saved as one file, unused
+    objects dropped. Saved even when no page got a layer: MuPDF's writing repairs what
+    the source's own xref got wrong (two born-digital corpus PDFs fail ``qpdf --check``
+    as they are). Not in object streams, which MuPDF 1.28 writes with xref entries qpdf
+    warns about."""
     fonts = _Fonts(doc)
     for index, layout in enumerate(layouts[:doc.page_count]):
         page = doc[index]
@@ -330,6 +336,24 @@ def pdf_with_layer(doc: pymupdf.Document, layouts: list[PageLayout],
             continue
         _add_layer(doc, page, layout, fonts)
     return bytes(doc.tobytes(garbage=1, deflate=True))
+
+
+def _insert_g4(doc: pymupdf.Document, page: pymupdf.Page, frame: Frame) -> None:
+    """Draw a 1-bit frame over the page as its own G4 stream (MuPDF would decode it and
+    store it Flate-compressed, about twice the size): a small image placed by PyMuPDF
+    (resources, placement), then made this frame. The placeholder's pixels are the
+    page number: PyMuPDF gives an image of the same pixels the same object."""
+    import pymupdf
+
+    marker = pymupdf.Pixmap(pymupdf.csGRAY, 8, 1, page.number.to_bytes(8, "big"), False)
+    xref = int(page.insert_image(page.rect, keep_proportion=False, pixmap=marker))
+    doc.update_object(xref, f"<</Type/XObject/Subtype/Image/Width {frame.width}"
+                            f"/Height {frame.height}/ColorSpace/DeviceGray/BitsPerComponent 1>>")
+    doc.update_stream(xref, frame.data, compress=False)
+    doc.xref_set_key(xref, "Filter", "/CCITTFaxDecode")
+    black_is_1 = "true" if frame.g4_black_is_1 else "false"
+    doc.xref_set_key(xref, "DecodeParms", f"<</K -1/Columns {frame.width}/Rows {frame.height}"
+                                          f"/BlackIs1 {black_is_1}>>")
 
 
 def image_pdf(frames: list[Frame], layouts: list[PageLayout]) -> bytes:
@@ -343,8 +367,11 @@ def image_pdf(frames: list[Frame], layouts: list[PageLayout]) -> bytes:
             width = frame.width * 72.0 / frame.dpi[0]
             height = frame.height * 72.0 / frame.dpi[1]
             page = doc.new_page(width=width, height=height)
-            page.insert_image(page.rect, stream=frame.data, rotate=frame.rotate,
-                              keep_proportion=False)
+            if frame.g4_black_is_1 is None:
+                page.insert_image(page.rect, stream=frame.data, rotate=frame.rotate,
+                                  keep_proportion=False)
+            else:
+                _insert_g4(doc, page, frame)
             _add_layer(doc, page, layout, fonts)
         return bytes(doc.tobytes(garbage=1, deflate=True))
     finally:

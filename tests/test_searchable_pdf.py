@@ -210,6 +210,30 @@ def test_text_layer_is_invisible(tmp_path: Path) -> None:
     assert (tmp_path / "a-1.png").read_bytes() == (tmp_path / "b-1.png").read_bytes()
 
 
+@pytest.mark.parametrize("name", ["image_multipage-fax-g3_3p.tif",
+                                  "image_receipt-like-lottery-tickets.tif"])
+def test_bilevel_tiff_pages_stay_g4_and_look_like_the_source(name: str, tmp_path: Path) -> None:
+    """A 1-bit scan is stored as CCITT G4 (not re-compressed with Flate, about twice the
+    size), and poppler draws each page as the source frame (not inverted)."""
+    source = CORPUS_DIR / "good" / name
+    out = tmp_path / "out.pdf"
+    out.write_bytes(render.searchable_pdf(source, _layouts(source), "skip"))
+    assert out.stat().st_size < 1.1 * source.stat().st_size
+    qdf = subprocess.run(["qpdf", "--qdf", "--object-streams=disable", str(out), "-"],
+                         check=True, capture_output=True, timeout=60).stdout
+    assert qdf.count(b"/CCITTFaxDecode") == len(_shown_sizes(source))
+    subprocess.run(["pdftoppm", "-r", "20", "-gray", str(out), str(tmp_path / "p")],
+                   check=True, timeout=60)
+    with Image.open(source) as img:
+        for i, page in enumerate(sorted(tmp_path.glob("p-*.pgm"))):
+            img.seek(i)
+            with Image.open(page) as drawn:
+                want = img.convert("L").resize(drawn.size, Image.Resampling.BOX)
+                diff = sum(abs(a - b) for a, b in zip(drawn.tobytes(), want.tobytes(),
+                                                      strict=True)) / len(want.tobytes())
+            assert diff < 12, (name, i + 1, diff)
+
+
 def test_jpeg_turned_by_exif_gets_the_upright_page(tmp_path: Path) -> None:
     """A JPEG kept byte for byte but stored on its side (EXIF orientation 6) is a
     portrait page, its layer on the upright page, as it was rendered for OCR."""
