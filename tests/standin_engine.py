@@ -35,6 +35,8 @@ read once at start, so that a test can change what the *next* generation does:
   ``import_error``, ``killed``, ``sleep:S``; the last repeats).
 * ``per_port``: overrides for the replica on that port (replica i listens on port + i).
 * ``delay_s``: seconds each page takes (default 0.2; 0 in a wrapper's).
+* ``max_running``: requests served at once, the others waiting their turn (a GPU's
+  fixed concurrency; default: no limit).
 * ``hang_after``: the first N requests answered, the engine core hangs (vllm-project/vllm
   #39863, #7633): every later request is accepted and never answered while ``/health``
   still says 200;
@@ -276,6 +278,8 @@ class _Engine(EngineServer):
     lock: threading.Lock
     answered: dict[str, int]
     gate_open: threading.Event
+    #: ``max_running``: requests served at once (a GPU's batch); the rest wait their turn.
+    slots: threading.Semaphore | None
     completed: int
     arrived: int
     hang_after: int | None
@@ -388,7 +392,11 @@ class _ChatHandler(EngineHandler):
                     self.server.gate_open.set()
                 self.server.gate_open.wait(float(scenario.get("gate_s", 120)))
             reply = self._reply(scenario, page)
-            time.sleep(float(reply.get("delay_s", self.server.delay_s)))
+            if self.server.slots is None:
+                time.sleep(float(reply.get("delay_s", self.server.delay_s)))
+            else:
+                with self.server.slots:
+                    time.sleep(float(reply.get("delay_s", self.server.delay_s)))
         finally:
             with self.server.lock:
                 self.server.running -= 1
@@ -598,6 +606,8 @@ def serve(scenario_path: Path | None, argv: list[str]) -> int:
     server.prompt_text_tokens = scenario.get("prompt_text_tokens")
     server.lock, server.answered = threading.Lock(), {}
     server.gate_open = threading.Event()
+    slots = scenario.get("max_running")
+    server.slots = threading.Semaphore(int(slots)) if slots else None
     server.completed = server.arrived = 0
     server.hang_after = scenario.get("hang_after")
     server.exit_after = scenario.get("exit_after")

@@ -11,6 +11,7 @@ nothing; a server unreachable at start is retried with ``STATUS=`` saying why.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -145,6 +146,12 @@ def test_two_daemons_on_one_inbox_do_every_file_once_as_one_daemon_would(
     # One engine request per page: nothing was sent by both hosts.
     assert len(c.engine.chats()) == len(pages) * 2  # the single daemon's and the cluster's
     assert _outputs(a.output) == _outputs(single.output) != {}
+    cluster_view = json.loads(a.ctl("status", "--cluster", "--json", "--config",
+                                    str(a.config)).stdout)
+    assert [(h["host"], h["state"]) for h in cluster_view["hosts"]] == [
+        ("host-a", "up"), ("host-b", "up")]
+    assert cluster_view["jobs"] == {"done": len(FILES)}
+    assert cluster_view["jobs_unclaimed"] == 0
     owners = {o for _, o in jobs.values()}
     print(f"jobs by host: { {h: sum(o == h for _, o in jobs.values()) for h in owners} }")
 
@@ -176,6 +183,9 @@ def test_a_daemon_killed_mid_document_is_finished_by_the_other(
     assert [p.name for p in c.shared.joinpath("done").iterdir()] == [LONG]
     md = list(c.shared.joinpath("output").rglob("*.md"))
     assert len(md) == 1 and md[0].read_text().count("stand-in page") == 15
+    table = b.ctl("status", "--cluster", "--config", str(b.config)).stdout
+    states = {line.split()[0]: line.split()[1] for line in table.splitlines()[1:3]}
+    assert states == {"host-a": "silent", "host-b": "up"}, table
     done_lines = [line for line in b.log_path.read_text().splitlines() if "job_done" in line]
     assert done_lines and all('"host_id": "host-b"' in line for line in done_lines)
     print(f"takeover after kill -9: {takeover_s:.1f} s (lease {LEASE_S} s)")

@@ -75,7 +75,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
               "chandrad.ctl.main",
               "chandrad.ctl.client",
               "chandrad.ctl.diagnose", "chandrad.ctl.journal", "chandrad.ctl.render",
-              "chandrad.ctl.top"),
+              "chandrad.ctl.top", "chandrad.ctl.cluster"),
 }
 RANK = {name: rank for rank, name in enumerate(LAYERS)}
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}

@@ -49,7 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="print the versioned JSON result")
         return p
 
-    command("status", "daemon, engine, queue, throughput, GPU and last failure")
+    status = command("status", "daemon, engine, queue, throughput, GPU and last failure")
+    status.add_argument("--cluster", action="store_true",
+                        help="the hosts sharing the PostgreSQL queue (daemon.store), read "
+                             "from the database")
+    status.add_argument("--config", type=Path, metavar="PATH",
+                        help="with --cluster: the config naming daemon.store (default: "
+                             "$CHANDRAD_CONFIG, /etc/chandrad/chandrad.toml)")
     command("queue", "jobs with state, pages, attempts and error").add_argument(
         "--state", choices=("pending", "running", "held", "done", "partial", "failed",
                             "cancelled"))
@@ -118,6 +124,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         from chandrad.ctl.diagnose import run_diagnose
 
         return int(run_diagnose(args.source, args.json, out))
+    if args.command == "status" and args.cluster:
+        from chandrad.ctl.cluster import run_cluster
+
+        return run_cluster(args.config, args.json, out)
     if args.command == "top":
         from chandrad.ctl.top import run_top
 

@@ -10,6 +10,7 @@ beat; a beat that fails says so once in the journal.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import structlog
@@ -37,6 +38,14 @@ class LeaseKeeper:
         self.beats = 0
 
     def start(self) -> None:
+        """Record this host in ``hosts`` (started now, not stopped) and start beating."""
+        with self._db.tx() as c:
+            c.execute(
+                "INSERT INTO hosts AS h (host, pid, lease_s, started_at, seen_at) "
+                f"VALUES (?, ?, ?, {NOW}, {NOW}) ON CONFLICT (host) DO UPDATE SET "
+                "pid = excluded.pid, lease_s = excluded.lease_s, started_at = "
+                "excluded.started_at, seen_at = excluded.seen_at, stopped_at = NULL",
+                (self._host, os.getpid(), self._lease_s))
         self._thread.start()
 
     def stop(self) -> None:
@@ -45,12 +54,13 @@ class LeaseKeeper:
             self._thread.join(timeout=10.0)
 
     def beat(self) -> int:
-        """Renew this host's leases now; returns how many jobs."""
+        """Renew this host's leases and its ``hosts`` row now; returns how many jobs."""
         with self._db.tx() as c:
             n = c.execute(
                 f"UPDATE jobs SET lease_until = {NOW} + ? WHERE owner = ? "
                 "AND state IN ('pending', 'running', 'held')",
                 (self._lease_s, self._host)).rowcount
+            c.execute(f"UPDATE hosts SET seen_at = {NOW} WHERE host = ?", (self._host,))
         self.beats += 1
         return int(n)
 
@@ -60,6 +70,7 @@ class LeaseKeeper:
             with self._db.tx() as c:
                 c.execute(f"UPDATE jobs SET lease_until = {NOW} WHERE owner = ? "
                           "AND state IN ('pending', 'running', 'held')", (self._host,))
+                c.execute(f"UPDATE hosts SET stopped_at = {NOW} WHERE host = ?", (self._host,))
         except StoreFull as exc:
             log.warning("leases_not_given_back", reason=exc.message,
                         expire_in_s=self._lease_s)

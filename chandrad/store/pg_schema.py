@@ -2,8 +2,9 @@
 
 The same rows as the SQLite schema (``schema``), in PostgreSQL's types (paths ``bytea``,
 times ``double precision``), plus what several hosts on one database need: a job's
-``owner`` (host id) and ``lease_until``, and a unique index on the open jobs' (path,
-content) so two hosts that saw the same file accept it once. Version N is reached by
+``owner`` (host id) and ``lease_until``, a unique index on the open jobs' (path,
+content) so two hosts that saw the same file accept it once, and the ``hosts`` their
+heartbeats keep. Version N is reached by
 running ``PG_MIGRATIONS[N - 1]`` in one transaction, under an advisory lock so hosts
 starting together migrate once; a database newer than this chandrad is refused.
 """
@@ -92,6 +93,17 @@ PG_MIGRATIONS: tuple[str, ...] = (
         FOR EACH ROW EXECUTE FUNCTION chandrad_count_states('job_counts');
     CREATE TRIGGER page_counts AFTER INSERT OR DELETE OR UPDATE OF state ON pages
         FOR EACH ROW EXECUTE FUNCTION chandrad_count_states('page_counts');
+    """,
+    # 2: the hosts sharing the queue, each row kept by its heartbeat (status --cluster).
+    """
+    CREATE TABLE hosts (
+        host TEXT PRIMARY KEY,
+        pid INTEGER NOT NULL,
+        lease_s DOUBLE PRECISION NOT NULL,
+        started_at DOUBLE PRECISION NOT NULL,
+        seen_at DOUBLE PRECISION NOT NULL,
+        stopped_at DOUBLE PRECISION
+    );
     """,
 )
 

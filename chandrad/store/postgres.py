@@ -71,10 +71,10 @@ class PgStore(TableStore):
             migrate(db)
             store = cls(db, host, lease_s)
             store.recovered = store._recover()
+            store._keeper.start()
         except BaseException:
             db.close()
             raise
-        store._keeper.start()
         return store
 
     def _recover(self) -> Recovered:
@@ -210,3 +210,42 @@ class PgStore(TableStore):
 
     def learned_profile_saved_at(self, key: str) -> float | None:
         return super().learned_profile_saved_at(f"{self.host}/{key}")
+
+
+def cluster_status(url: str) -> dict[str, Any]:
+    """The hosts sharing the queue at ``url`` and where each stands (``chandractl status
+    --cluster``): ``up`` (heartbeat within its lease), ``silent`` (none for longer: dead,
+    stalled or cut off; its expired leases go to the others) or ``stopped``; its jobs
+    running and waiting, pages in flight, pages done in the last minute, leases expired.
+    One read-only connection of its own."""
+    db = PgDatabase.connect(url)
+    try:
+        rows = db.conn.execute(
+            f"SELECT h.host, h.pid, h.lease_s, {NOW} - h.seen_at, h.stopped_at IS NOT NULL, "
+            "(SELECT COUNT(*) FROM jobs j WHERE j.owner = h.host AND j.state = 'running'), "
+            "(SELECT COUNT(*) FROM jobs j WHERE j.owner = h.host "
+            " AND j.state IN ('pending', 'held')), "
+            "(SELECT COUNT(*) FROM pages p JOIN jobs j ON j.id = p.job_id "
+            " WHERE j.owner = h.host AND p.state = 'in_flight'), "
+            "(SELECT COUNT(*) FROM pages p JOIN jobs j ON j.id = p.job_id "
+            f" WHERE j.owner = h.host AND p.state = 'done' AND p.finished_at >= {NOW} - 60), "
+            "(SELECT COUNT(*) FROM jobs j WHERE j.owner = h.host AND j.state IN "
+            f" ('pending', 'running', 'held') AND j.lease_until < {NOW}) "
+            "FROM hosts h ORDER BY h.host").fetchall()
+        unclaimed = db.conn.execute(
+            "SELECT COUNT(*) FROM jobs WHERE state IN ('pending', 'running', 'held') AND "
+            f"(owner IS NULL OR lease_until < {NOW})").fetchone()[0]
+        counts = {str(s): int(n) for s, n in db.conn.execute(
+            "SELECT state, n FROM job_counts WHERE n > 0")}
+    finally:
+        db.close()
+    hosts = [{
+        "host": host, "pid": pid, "state": "stopped" if stopped else
+        "up" if seen <= lease_s else "silent", "seen_s_ago": round(float(seen), 1),
+        "lease_s": lease_s, "jobs_running": int(running), "jobs_waiting": int(waiting),
+        "pages_in_flight": int(in_flight), "pages_done_1m": int(done_1m),
+        "leases_expired": int(expired)}
+        for host, pid, lease_s, seen, stopped, running, waiting, in_flight, done_1m, expired
+        in rows]
+    return {"store": db.location, "hosts": hosts, "jobs": counts,
+            "jobs_unclaimed": int(unclaimed)}
