@@ -1,11 +1,13 @@
 """The daemon's mutable state and its one owner: the ``DaemonState``, the config in force,
 the exit code, the start time.
 
-Every part that changes one of them asks :class:`Lifecycle`; each change is made while a
-command of the one command queue (``daemon/queue``) is carried out: an operator's
-``pause``/``resume``/``drain`` (``daemon/controls``), a reload (``daemon/reload``), the stop
-(``daemon/shutdown``). The exit code is the exception: a failure records it at once, so
-that it holds however the daemon then stops.
+Every part that changes one of them asks :class:`Lifecycle`. Apart from start-up's
+``running`` and the stop after a crash, each state change is made while a command of the
+one command queue (``daemon/queue``) is carried out: an operator's ``pause``/``resume``/
+``drain`` (``daemon/controls``), a reload (``daemon/reload``), SIGTERM's drain
+(``daemon/shutdown``). The exit code is recorded at once by the failure that sets it (an
+exception, an engine gone fatal with ``engine.exit_on_fatal``), so that it holds however
+the daemon then stops.
 """
 
 from __future__ import annotations
