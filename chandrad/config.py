@@ -235,6 +235,8 @@ class ApiConfig:
     webhook_secret_file: Path | None = None
     #: The largest upload, in bytes (413 above it).
     max_upload: int = 256 << 20
+    #: Seconds an upload's body may send nothing before it is refused (408).
+    upload_timeout: float = 30.0
     #: Output formats a job lists and serves when its request names none.
     formats: tuple[str, ...] = ("md", "html", "json")
     #: The webhook URL of a job that names no ``callback_url``; "" = none.
@@ -803,6 +805,7 @@ def _api(r: _Reader, base: Path, ocr: OcrConfig) -> ApiConfig:
         tokens_file=r.path("tokens_file", d.tokens_file, base),
         webhook_secret_file=r.path("webhook_secret_file", d.webhook_secret_file, base),
         max_upload=r.number("max_upload", d.max_upload, 1, 1 << 40, True),
+        upload_timeout=r.number("upload_timeout", d.upload_timeout, 0.1, 3600),
         formats=formats,
         callback_url=callback,
         duplicates=r.choice("duplicates", d.duplicates, DUPLICATE_POLICIES),

@@ -20,9 +20,11 @@ import structlog
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chandrad import names, render
 from chandrad.api.door import JobDoor
@@ -92,7 +94,7 @@ class Api:
         return Starlette(routes=routes, exception_handlers={
             ApiError: lambda _r, e: _error(e),  # type: ignore[arg-type,return-value]
             HTTPException: self._http_error,  # type: ignore[dict-item]
-        })
+        }, middleware=[Middleware(BodyIdleTimeout, idle_s=self.config.api.upload_timeout)])
 
     @staticmethod
     async def _http_error(_request: Request, exc: HTTPException) -> Response:
@@ -343,6 +345,39 @@ class Api:
                            + (f": job {same}" if seen else ""),
                            {"Location": f"/v1/jobs/{same}"} if seen else None)
         return job
+
+
+class BodyIdleTimeout:
+    """ASGI middleware: a request body that sends nothing for ``idle_s`` seconds (a stalled
+    or slow-loris upload) ends its request with 408 ``upload_timeout``; once the body is
+    complete, ``receive`` is the server's own again (a response waiting for a disconnect
+    is never cut)."""
+
+    def __init__(self, app: ASGIApp, idle_s: float) -> None:
+        self.app = app
+        self.idle_s = idle_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        complete = False
+
+        async def timed() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    message = await receive()
+            except TimeoutError:
+                raise ApiError(408, "upload_timeout", f"no byte of the body arrived for "
+                               f"{self.idle_s:g} s", {"Connection": "close"}) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
+            return message
+
+        await self.app(scope, timed, send)
 
 
 def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
