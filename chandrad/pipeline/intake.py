@@ -143,6 +143,10 @@ class Intake:
         for item, digest in hashed:
             if digest is None:
                 continue  # vanished or unreadable; a later event or rescan brings it back
+            if not item.path.exists():
+                # Gone since it was hashed: with hosts sharing the inbox, another host may
+                # have finished it and moved it to done/ meanwhile (not new work).
+                continue
             settled[item.path] = item
             policy = self.config.watch[item.watch_index].duplicates
             by_policy.setdefault(policy, []).append(item.row(digest))
