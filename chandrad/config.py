@@ -469,7 +469,7 @@ def parse_config(text: str, path: Path) -> Config:
         engine_raw, dict) else {})
     control = _control(reader(raw.get("control", {}), "control"), base)
     metrics = _metrics(reader(raw.get("metrics", {}), "metrics"))
-    api = _api(reader(raw.get("api", {}), "api"), base, ocr)
+    api = _api(reader(raw.get("api", {}), "api"), base, ocr, daemon)
     _cross_checks(watches, problems, loc, file)
     if problems:
         raise ConfigError(problems)
@@ -786,7 +786,7 @@ def _listen(r: _Reader, default: str, off: str | None) -> str:
     return str(listen)
 
 
-def _api(r: _Reader, base: Path, ocr: OcrConfig) -> ApiConfig:
+def _api(r: _Reader, base: Path, ocr: OcrConfig, daemon: DaemonConfig) -> ApiConfig:
     d = ApiConfig()
     enabled = r.get("enabled", (bool,), d.enabled)
     formats = r.strings("formats", d.formats)
@@ -811,6 +811,9 @@ def _api(r: _Reader, base: Path, ocr: OcrConfig) -> ApiConfig:
         duplicates=r.choice("duplicates", d.duplicates, DUPLICATE_POLICIES),
         webhook_deadline=r.number("webhook_deadline", d.webhook_deadline, 1, 30 * 86400),
     )
+    if enabled and daemon.store_url:
+        r.problem("enabled", "the HTTP API keeps job owners and webhooks in the SQLite "
+                  "store; daemon.store names a PostgreSQL one")
     if enabled and cfg.tokens_file is None:
         r.problem("tokens_file", "required when api.enabled: the file of API tokens")
     if cfg.callback_url and cfg.webhook_secret_file is None:

@@ -559,6 +559,8 @@ def test_api_is_off_by_default_and_its_folders_live_in_the_state_dir(tmp_path: P
     ("[api]\nmax_upload = 0\n", "api.max_upload"),
     ('[api]\nduplicates = "merge"\n', "api.duplicates"),
     ("[api]\ntoken = 1\n", "api.token"),
+    ('[daemon]\nstore = "postgresql://db/chandrad"\n[api]\nenabled = true\n'
+     'tokens_file = "t"\n', "api.enabled"),
 ])
 def test_api_problems_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     problem = _one(tmp_path, WATCH + text)
