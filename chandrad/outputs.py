@@ -290,7 +290,7 @@ def write_document(
     pages: list[PageOutput],
     metadata: dict[str, Any],
     formats: tuple[str, ...],
-    made: dict[str, bytes] | None = None,
+    made: dict[str, Path] | None = None,
 ) -> list[Path]:
     """Write every output of one document atomically; return the paths written.
 
@@ -298,8 +298,9 @@ def write_document(
     ``out_dir``, see the module docstring) plus model, engine profile and timings; page
     counts and per-page summaries are added here. The metadata file is written last,
     so its presence means the document is complete. ``formats`` picks among
-    ``md``, ``html`` and ``json``; ``made`` holds outputs made elsewhere, by file name
-    (``<stem>.pdf``, made in a render worker), written and claimed like the others.
+    ``md``, ``html`` and ``json``; ``made`` holds outputs made elsewhere, by file name:
+    complete files from :func:`made_file` (``<stem>.pdf``, written by a render worker),
+    renamed into place and claimed like the others.
     """
     pages = sorted(pages, key=lambda p: p.page)
     images, pages = _page_images(pages)
@@ -310,7 +311,7 @@ def write_document(
     except OSError as exc:
         raise output_error(f"cannot create {names.display(target)}", exc, target) from exc
 
-    files: dict[str, bytes] = {}
+    files: dict[str, bytes | Path] = {}
     metadata_name = f"{stem}_metadata.json"
     if "md" in formats:
         files[f"{stem}.md"] = ("\n\n".join(p.markdown for p in pages if p.markdown) + "\n").encode()
@@ -350,7 +351,10 @@ def write_document(
     try:
         atomic_write(target / CLAIM_FILE, _json_bytes(claim))
         for name, data in files.items():
-            atomic_write(target / name, data)
+            if isinstance(data, Path):
+                _place_made(data, target / name)
+            else:
+                atomic_write(target / name, data)
             written.append(target / name)
         atomic_write(target / metadata_name, _json_bytes(full_metadata))
         written.append(target / metadata_name)
@@ -368,6 +372,27 @@ def write_document(
     if stale:
         fsync_dir(target)
     return written
+
+
+def made_file(out_dir: Path, name: str) -> Path:
+    """A temporary path for output ``name`` of the document going to ``out_dir``, made
+    by another process (the searchable PDF, in a render worker): beside ``out_dir`` (its
+    parent is created), so that :func:`write_document` renames it into the directory it
+    chooses. The maker writes and fsyncs it; the caller removes it if it is not used."""
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(f"cannot create {names.display(parent)}", exc, parent) from exc
+    return _temp_name(parent / name)
+
+
+def _place_made(made: Path, path: Path) -> None:
+    try:
+        os.replace(made, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise output_error(f"cannot write {names.display(path)}", exc, path) from exc
 
 
 def _remove_partial(target: Path, written: list[Path]) -> None:

@@ -603,6 +603,29 @@ def searchable_pdf(path: Path, layouts: list[textlayer.PageLayout], text_pages: 
     return textlayer.image_pdf(frames, layouts)
 
 
+def write_searchable_pdf(path: Path, layouts: list[textlayer.PageLayout], text_pages: str,
+                         out: Path) -> int:
+    """:func:`searchable_pdf` written to the new file ``out`` and fsynced; its size. A
+    failed write leaves no file."""
+    data = searchable_pdf(path, layouts, text_pages)
+    try:
+        fh = out.open("xb")  # never over a file that is there
+    except OSError as exc:
+        raise InputError(f"{path.name}: searchable PDF cannot be written: "
+                         f"{exc.strerror or exc}") from exc
+    try:
+        with fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            out.unlink()  # ours, half written
+        raise InputError(f"{path.name}: searchable PDF cannot be written: "
+                         f"{exc.strerror or exc}") from exc
+    return len(data)
+
+
 def _die_with_parent() -> None:
     """Ask the kernel to SIGKILL this worker when the daemon dies (Linux
     PR_SET_PDEATHSIG), so a daemon killed with -9 leaves no render workers behind."""
@@ -991,11 +1014,12 @@ class RenderPool:
         return result
 
     async def searchable_pdf(self, path: Path, layouts: list[textlayer.PageLayout],
-                             text_pages: str) -> bytes:
-        """:func:`searchable_pdf` in a worker process."""
-        data: bytes = await self._run(f"{path.name} (pdf output)", searchable_pdf, path,
-                                      layouts, text_pages)
-        return data
+                             text_pages: str, out: Path) -> int:
+        """:func:`searchable_pdf` in a worker process, written by the worker to ``out``
+        (the document never passes through the daemon); its size."""
+        size: int = await self._run(f"{path.name} (pdf output)", write_searchable_pdf, path,
+                                    layouts, text_pages, out)
+        return size
 
     async def probe(self, path: Path, max_pages: int) -> DocumentInfo:
         """Probe a file in a worker process."""

@@ -28,7 +28,7 @@ from PIL import Image
 from standin_engine import StandinServer
 
 from chandrad import ocr, render, textlayer
-from chandrad.errors import UnsupportedFormat
+from chandrad.errors import InputError, UnsupportedFormat
 
 TOOLS = ("pdftotext", "pdfinfo", "qpdf")
 
@@ -306,9 +306,26 @@ def test_daemon_writes_a_searchable_pdf_accepts_avif_and_refuses_heic(tmp_path: 
             for text in texts:
                 for lines in _expected("daemon"):
                     assert all(line in _flat(text) for line in lines), (source.name, text)
+        # the worker's file was renamed into place: no temporary file is left
+        assert [p.name for p in daemon.output.rglob("*") if p.name.endswith(".tmp")] == []
     finally:
         daemon.cleanup(grace=30)
         engine.stop()
+
+
+def test_worker_writes_the_pdf_to_a_new_file_or_leaves_none(tmp_path: Path) -> None:
+    source = CORPUS_DIR / "good" / "scan_skewed_linn.pdf"
+    layouts = _layouts(source)
+    out = tmp_path / "made.pdf"
+    size = render.write_searchable_pdf(source, layouts, "skip", out)
+    assert size == out.stat().st_size and out.read_bytes()[:5] == b"%PDF-"
+    with pytest.raises(InputError, match="cannot be written"):
+        render.write_searchable_pdf(source, layouts, "skip", out)  # exists: never replaced
+    assert out.stat().st_size == size
+    missing = tmp_path / "no such folder" / "made.pdf"
+    with pytest.raises(InputError, match="cannot be written"):
+        render.write_searchable_pdf(source, layouts, "skip", missing)
+    assert not missing.exists()
 
 
 def test_heic_is_refused_naming_heic_and_how_to_convert(tmp_path: Path) -> None:

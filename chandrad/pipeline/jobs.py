@@ -142,11 +142,16 @@ class JobRunner:
         # One name for the document in output/ and done/ (the same `` (n)``).
         slot = await asyncio.to_thread(outputs.document_slot, watch.output, watch.done,
                                        job.input_root, job.abs_path, metadata, moved)
-        made = await self._searchable_pdf(job, moved or job.abs_path, stem, page_outputs,
-                                          metadata)
-        written = await asyncio.to_thread(outputs.write_document, slot.output_dir, stem,
-                                          page_outputs, metadata, self.config.ocr.formats,
-                                          made)
+        made = await self._searchable_pdf(job, moved or job.abs_path, slot.output_dir, stem,
+                                          page_outputs, metadata)
+        try:
+            written = await asyncio.to_thread(outputs.write_document, slot.output_dir, stem,
+                                              page_outputs, metadata,
+                                              self.config.ocr.formats, made)
+        finally:
+            for path in made.values():  # gone once written; left where the write failed
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         out_dir = written[-1].parent  # another ``(n)`` only if taken since the slot was chosen
         final = moved or self._move_input(job, watch.done, start=slot.suffix)
         if out_dir != slot.output_dir or final != slot.done_path:
@@ -158,26 +163,33 @@ class JobRunner:
                  pages_failed=failed, pages_truncated=truncated, seconds=metadata["seconds"],
                  state=state.value, output=names.display(out_dir))
 
-    async def _searchable_pdf(self, job: Job, source: Path, stem: str,
+    async def _searchable_pdf(self, job: Job, source: Path, out_dir: Path, stem: str,
                               pages: list[outputs.PageOutput],
-                              metadata: dict[str, Any]) -> dict[str, bytes]:
+                              metadata: dict[str, Any]) -> dict[str, Path]:
         """``<stem>.pdf`` when ``ocr.formats`` asks for it, made from the input (where it
-        is now: the inbox, or ``done/`` after a move a crash cut short) in a render
-        worker. A PDF that cannot be made leaves the other outputs alone: the job is
-        done, the reason is logged and kept in the metadata as ``pdf_error``."""
+        is now: the inbox, or ``done/`` after a move a crash cut short) by a render
+        worker, which writes it beside ``out_dir`` for ``write_document`` to rename. A PDF
+        that cannot be made leaves the other outputs alone: the job is done, the reason
+        is logged and kept in the metadata as ``pdf_error``."""
         if "pdf" not in self.config.ocr.formats:
             return {}
+        name = f"{stem}.pdf"
         layouts = [textlayer.PageLayout(p.width, p.height, p.blocks if p.status == "ok" else [])
                    for p in pages]
+        path = await asyncio.to_thread(outputs.made_file, out_dir, name)
         try:
-            data = await self.render.searchable_pdf(source, layouts,
-                                                    self.config.ocr.pdf_text_pages)
-        except InputError as exc:  # RenderCrashed and RenderTimeout too
+            await self.render.searchable_pdf(source, layouts, self.config.ocr.pdf_text_pages,
+                                             path)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)  # a worker killed while it wrote
+            if not isinstance(exc, InputError):  # RenderCrashed and RenderTimeout are
+                raise
             metadata["pdf_error"] = f"{exc.code}: {exc.message}"
             log.warning("pdf_output_failed", job=job.id, file=names.display(job.path),
                         code=exc.code, reason=exc.message)
             return {}
-        return {f"{stem}.pdf": data}
+        return {name: path}
 
     def _move_input(self, job: Job, folder: Path, error_code: str | None = None,
                     error_message: str | None = None, start: int = 0) -> Path:
