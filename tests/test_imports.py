@@ -12,12 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-HEAVY = ("torch", "vllm", "pymupdf", "chandra.model", "chandra.output", "openai", "transformers")
+#: psycopg too: only a host whose ``daemon.store`` is PostgreSQL imports it (0.12 s).
+HEAVY = ("torch", "vllm", "pymupdf", "chandra.model", "chandra.output", "openai", "transformers",
+         "psycopg")
 
 
 def test_daemon_imports_no_heavy_library() -> None:
     """Importing the daemon (everything `chandrad run` wires) loads none of torch, vLLM,
-    PyMuPDF, chandra.model/output or openai: those live in the engine and render workers."""
+    PyMuPDF, chandra.model/output or openai: those live in the engine and render workers;
+    nor psycopg, which the PostgreSQL store alone needs."""
     code = (
         "import json, sys, chandrad.daemon, chandrad.cli; "
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
