@@ -160,6 +160,15 @@ class StoreUnreachable(StoreFull):
     code = "store_unreachable"
 
 
+class HostIdInUse(ChandradError):
+    """Another live chandrad on the shared (PostgreSQL) store has this ``daemon.host_id``:
+    the two would each take the other's jobs for their own and run them twice, so the
+    second refuses to start."""
+
+    code = "host_id_in_use"
+    exit_code = ExitCode.CONFIG
+
+
 class LeaseLost(ChandradError):
     """Another host took over a job this host was running (its lease expired: this host
     stalled or lost the store for longer than ``daemon.lease_s``). This host drops the job

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pg_server import PgServer
 
-from chandrad.errors import LeaseLost, StoreUnreachable
+from chandrad.errors import HostIdInUse, LeaseLost, StoreUnreachable
 from chandrad.states import JobState, PageState
 from chandrad.store.postgres import PgStore
 
@@ -121,7 +121,7 @@ def test_release_and_recovery_touch_only_this_hosts_pages(
         hosts: Callable[..., PgStore], pg_server: PgServer) -> None:
     """An engine that died gives back its own host's in-flight pages, never another's;
     so does a host opening the store again after a crash."""
-    a, b = hosts("host-a"), hosts("host-b")
+    a, b = hosts("host-a", lease_s=1.0), hosts("host-b")
     ja, jb = _accept(a, "a.pdf", "1" * 64), _accept(b, "b.pdf", "2" * 64)
     assert ja is not None and jb is not None
     for store, job_id in ((a, ja), (b, jb)):
@@ -131,7 +131,8 @@ def test_release_and_recovery_touch_only_this_hosts_pages(
     assert a.release_all_in_flight() == 1
     assert b.page(jb, 0).state is PageState.IN_FLIGHT  # type: ignore[union-attr]
     a.claim_page(ja, 0)
-    again = hosts("host-a")  # host a restarted: its own in-flight pages go back
+    a._keeper.stop()  # host a crashed (no clean close) ...
+    again = hosts("host-a")  # ... and started again: its own in-flight pages go back
     assert again.recovered.pages_released == 1 and again.recovered.jobs_running == 1
     assert b.page(jb, 0).state is PageState.IN_FLIGHT  # type: ignore[union-attr]
 
@@ -169,3 +170,18 @@ def test_server_restart_costs_one_refused_call_and_loses_nothing(
     reconnect_s = time.monotonic() - t0
     assert a.page(job_id, 0).state is PageState.IN_FLIGHT  # type: ignore[union-attr]
     assert [j.id for j in a.list_jobs()] == [job_id] and reconnect_s < 5
+
+
+def test_a_second_live_host_with_the_same_id_is_refused(
+        hosts: Callable[..., PgStore]) -> None:
+    """Two live hosts with one ``daemon.host_id`` would run each other's jobs twice: the
+    second is refused once it has seen the first's heartbeat; a host that stopped cleanly
+    frees its id at once."""
+    first = hosts("host-a", lease_s=1.0)
+    with pytest.raises(HostIdInUse) as refused:
+        hosts("host-a", lease_s=1.0)
+    assert "host-a" in refused.value.message and refused.value.exit_code == 78
+    first.close()
+    t0 = time.monotonic()
+    hosts("host-a", lease_s=1.0)
+    assert time.monotonic() - t0 < 0.5

@@ -26,6 +26,7 @@ from chandrad.engine.replicas import GpuSlot, ReplicaSpec, plan_replicas
 from chandrad.errors import (
     ConfigError,
     ConfigProblem,
+    HostIdInUse,
     MetricsListenFailed,
     StateDirInUse,
     StoreUnreachable,
@@ -117,7 +118,12 @@ def open_store(cfg: Config) -> StoreBackend:
         from chandrad.store.postgres import PgStore
 
         host = cfg.daemon.host_id or socket.gethostname()
-        pg = PgStore.open(cfg.daemon.store_url, host, cfg.daemon.lease_s)
+        try:
+            pg = PgStore.open(cfg.daemon.store_url, host, cfg.daemon.lease_s)
+        except HostIdInUse as exc:
+            raise ConfigError([ConfigProblem("daemon.host_id", exc.message, str(cfg.path),
+                                             key_line_of(cfg, "daemon.host_id"),
+                                             exc.code)]) from None
         # Every journal line of a host sharing the queue names it (CHANDRA_HOST_ID): the
         # tasks started from here on inherit the context.
         structlog.contextvars.bind_contextvars(host_id=host)

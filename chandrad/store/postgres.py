@@ -27,13 +27,14 @@ Use from one thread (the event loop's), like the SQLite store.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from chandrad import names
-from chandrad.errors import LeaseLost
+from chandrad.errors import HostIdInUse, LeaseLost
 from chandrad.states import JobState
 from chandrad.store.jobs import _JOB_COLUMNS, job_from_row
 from chandrad.store.leases import NOW, LeaseKeeper
@@ -64,11 +65,13 @@ class PgStore(TableStore):
 
         Raises:
             StoreUnreachable: the server cannot be reached (nothing was changed).
+            HostIdInUse: another live host has this id (nothing was changed).
             InternalError: the database's schema is newer than this chandrad.
         """
         db = PgDatabase.connect(url)
         try:
             migrate(db)
+            _refuse_live_namesake(db, host)
             store = cls(db, host, lease_s)
             store.recovered = store._recover()
             store._keeper.start()
@@ -210,6 +213,24 @@ class PgStore(TableStore):
 
     def learned_profile_saved_at(self, key: str) -> float | None:
         return super().learned_profile_saved_at(f"{self.host}/{key}")
+
+
+def _refuse_live_namesake(db: PgDatabase, host: str) -> None:
+    """Raise HostIdInUse when another live process beats as ``host``. A row that stopped
+    cleanly, or whose heartbeat is older than its lease, is free; one seen within its
+    lease (this host crashed a moment ago, or a namesake lives) is watched for one beat
+    (its ``lease_s / 3``, plus a margin): a heartbeat meanwhile is a live namesake."""
+    query = (f"SELECT seen_at, lease_s, {NOW} - seen_at, pid FROM hosts "
+             "WHERE host = ? AND stopped_at IS NULL")
+    row = db.conn.execute(query, (host,)).fetchone()
+    if row is None or row[2] > row[1]:
+        return
+    time.sleep(row[1] / 3 + 0.5)
+    again = db.conn.execute(query, (host,)).fetchone()
+    if again is not None and again[0] > row[0]:
+        raise HostIdInUse(f"another chandrad (pid {again[3]}) uses daemon.host_id "
+                          f"{host!r} on the store {db.location} (its heartbeat is live); "
+                          "give each host its own id", host=host, pid=again[3])
 
 
 def cluster_status(url: str) -> dict[str, Any]:
