@@ -198,6 +198,14 @@ def test_pdf_text_pages_add_lays_text_over_a_page_that_has_its_own(tmp_path: Pat
     assert {"Quarterly", "report", "p1", "committee", "12.50", "检索"} <= words
 
 
+def test_owner_password_pdf_is_written_without_its_encryption(tmp_path: Path) -> None:
+    source = CORPUS_DIR / "bad" / "broken_encrypted-owner-password-only.pdf"
+    assert "not encrypted" not in _run("qpdf", "--show-encryption", source)
+    out = tmp_path / "out.pdf"
+    out.write_bytes(render.searchable_pdf(source, _layouts(source), "skip"))
+    assert "File is not encrypted" in _run("qpdf", "--show-encryption", out)
+
+
 def test_text_layer_is_invisible(tmp_path: Path) -> None:
     """Render mode 3 (qpdf's uncompressed view of the content streams), and the page
     looks exactly as the source's does."""
