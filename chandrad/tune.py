@@ -9,8 +9,9 @@ with a memory class: that value is over the edge):
 1. **Pages at once.** One engine start serves several levels: it is started with
    ``max_num_seqs`` = the top of its levels (up to :data:`SEQS_RAISE` × the lowest), and each
    level sends that many pages at once, which is what an engine with ``max_num_seqs`` = that
-   level runs. A start that fails for memory is retried with half the top; still rising at
-   the top, the next start goes on above it.
+   level runs. All its levels are measured (cheap: no restart; one level's dip within the
+   host's noise ends nothing); if the top one is the best, the next start goes on above it.
+   A start that fails for memory is retried below it.
 2. **Batched tokens.** At the best level, ``max_num_batched_tokens`` doubles, one start each.
 
 The kept profile is the starting one with the best stable measure's ``max_num_seqs`` and
@@ -76,6 +77,7 @@ class TunePolicy:
     _next_low: int = 0
     _seqs_edge: int | None = None
     _tokens_edge: int | None = None
+    _step: EngineStep | None = None
 
     def __post_init__(self) -> None:
         self._next_low = self.start.max_num_seqs or 1
@@ -86,9 +88,15 @@ class TunePolicy:
 
     @property
     def best(self) -> Measure | None:
-        """The fastest stable measure."""
-        stable = [m for m in self.measures if not m.failure and m.pages]
-        return max(stable, key=lambda m: m.pages_per_s) if stable else None
+        """The fastest stable measure, in order measured: a later one takes over only by
+        gaining at least :data:`MIN_GAIN` (a gain within the noise keeps the smaller
+        profile)."""
+        best: Measure | None = None
+        for m in self.measures:
+            if not m.failure and m.pages and (
+                    best is None or m.pages_per_s >= best.pages_per_s * (1 + MIN_GAIN)):
+                best = m
+        return best
 
     def best_profile(self) -> MemoryProfile | None:
         best = self.best
@@ -110,9 +118,10 @@ class TunePolicy:
             levels = [low]
             while levels[-1] * 2 <= top:
                 levels.append(levels[-1] * 2)
-            return EngineStep(self.start.with_changes(
+            self._step = EngineStep(self.start.with_changes(
                 max_num_seqs=levels[-1], max_num_batched_tokens=self.start_tokens),
                 tuple(levels))
+            return self._step
         if self.phase == "tokens":
             best = self.best
             assert best is not None
@@ -127,19 +136,22 @@ class TunePolicy:
         return None
 
     def record(self, measure: Measure) -> bool:
-        """A level measured on the running engine; False: measure no higher level on it
-        (throughput stopped rising, the phase moves on)."""
-        before = self.best
+        """A level measured on the running engine; False: its last. Every level of an
+        engine start is measured (a dip at one level within the noise ends nothing); at
+        the top one, pages at once go on above it only if it is the best so far."""
         self.measures.append(measure)
-        rising = before is None or measure.pages_per_s >= before.pages_per_s * (1 + MIN_GAIN)
+        best = self.best
         if self.phase == "seqs":
-            if not rising:
+            if self._step is not None and measure.max_num_seqs < self._step.levels[-1]:
+                return True
+            if best is measure:
+                self._next_low = measure.max_num_seqs * 2
+            else:
                 self._to_tokens(f"pages at once: {measure.max_num_seqs} gained under "
-                                f"{MIN_GAIN:.0%}")
-                return False
-            self._next_low = measure.max_num_seqs * 2
-            return True
-        if not rising:
+                                f"{MIN_GAIN:.0%} over the best "
+                                f"({best.max_num_seqs if best else '-'})")
+            return False
+        if best is not measure:
             self._end(f"batched tokens: {measure.max_num_batched_tokens} gained under "
                       f"{MIN_GAIN:.0%}")
         return False

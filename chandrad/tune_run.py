@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
+import io
 import os
 import signal
 import tempfile
@@ -56,8 +56,8 @@ LOG_NAME = "tune.log"
 CALIBRATION_PAGES = 16
 SYNTHETIC_PAGES = 8
 #: A level sends at least this many pages, and at least this many per page at once.
-MIN_LEVEL_PAGES = 8
-PAGES_PER_LEVEL = 2
+MIN_LEVEL_PAGES = 12
+PAGES_PER_LEVEL = 4
 OUT_OF_TIME = "the time budget is spent"
 
 
@@ -137,6 +137,36 @@ def render_pages(paths: Sequence[Path], cfg: Config, max_pixels: int) -> list[oc
     return pages
 
 
+class PageVariants:
+    """Every request a page never sent before: the calibration pages in turn, each time
+    with a mark of a few pixels in its top-left corner (the request's number, in two greys
+    on white), so vLLM's prefix and multimodal caches, which would skip the prefill of a
+    page they saw, cannot make a repeated page cheaper than real work."""
+
+    def __init__(self, pages: Sequence[ocr.PageImage]) -> None:
+        from PIL import Image
+
+        self._images = []
+        for page in pages:
+            with Image.open(io.BytesIO(page.png)) as img:
+                self._images.append((page, img.copy()))
+        self._sent = 0
+
+    def next(self) -> ocr.PageImage:
+        """The next page, marked with this request's number."""
+        n = self._sent
+        self._sent += 1
+        page, img = self._images[n % len(self._images)]
+        marked = img.copy()
+        white = 255 if marked.mode == "L" else (255,) * len(marked.getbands())
+        grey = 247 if marked.mode == "L" else (247,) * len(marked.getbands())
+        for bit in range(24):
+            marked.putpixel((bit, 0), grey if n >> bit & 1 else white)
+        out = io.BytesIO()
+        marked.save(out, format="PNG", compress_level=1)
+        return dataclasses.replace(page, png=out.getvalue())
+
+
 # ----------------------------------------------------------------- the engine's memory
 def _tree(root: int) -> set[int]:
     """``root`` and its descendants (from ``/proc/*/stat``)."""
@@ -210,6 +240,8 @@ class Tuner:
         self.start_s = 0.0  # the last engine start's seconds: whether another fits the budget
         per_token = model_files.pixels_per_image_token(spec.engine.model)
         self.pixels_per_token = per_token or PIXELS_PER_IMAGE_TOKEN
+        self.sampling = ocr.first_sampling()
+        self.variants = PageVariants(pages)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -295,13 +327,15 @@ class Tuner:
                 await asyncio.wait_for(changed.wait(), timeout=1.0)
 
     async def _send(self, dispatcher: Dispatcher, count: int) -> None:
-        for page in self.pages[:count]:
-            await dispatcher.chat(self._body(page, dispatcher),
+        for _ in range(count):
+            await dispatcher.chat(await self._body(dispatcher),
                                   timeout=self.cfg.ocr.request_timeout)
 
-    def _body(self, page: ocr.PageImage, dispatcher: Dispatcher) -> ChatBody:
+    async def _body(self, dispatcher: Dispatcher) -> ChatBody:
+        """The daemon's request for the next page variant (marked off the event loop)."""
+        page = await asyncio.to_thread(self.variants.next)
         prompt = estimate_prompt_tokens(page.width, page.height, self.pixels_per_token)
-        temperature, top_p = ocr.first_sampling()
+        temperature, top_p = self.sampling
         return ocr.encode_chat_request(
             page, model=dispatcher.served_model_name, prompt_type=self.cfg.ocr.prompt_type,
             max_output_tokens=ocr.request_max_tokens(
@@ -314,7 +348,6 @@ class Tuner:
         full all along (the pages still in flight at the end are cut, not waited for).
         None: stopped or out of time (nothing recorded), or the engine failed (recorded)."""
         count = max(MIN_LEVEL_PAGES, PAGES_PER_LEVEL * level)
-        cycle = itertools.cycle(self.pages)
         done = 0
         finished = asyncio.Event()
         self.view.level(level, count)
@@ -322,7 +355,7 @@ class Tuner:
         async def worker() -> None:
             nonlocal done
             while not finished.is_set():
-                await dispatcher.chat(self._body(next(cycle), dispatcher),
+                await dispatcher.chat(await self._body(dispatcher),
                                       timeout=self.cfg.ocr.request_timeout)
                 done += 1
                 self.view.page(done)
