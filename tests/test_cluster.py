@@ -98,7 +98,8 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tmp_path: Path, pg_server: PgServer) -> Iterator[Cluster]:
-    engine = StandinServer(tmp_path / "engine", {"delay_s": 0.15}).start()
+    # Two pages at once, like a small GPU: a 15-page document takes seconds, not one.
+    engine = StandinServer(tmp_path / "engine", {"delay_s": 0.15, "max_running": 2}).start()
     c = Cluster(pg_server.new_database(), engine, tmp_path / "shared", [])
     try:
         yield c
@@ -159,7 +160,7 @@ def test_two_daemons_on_one_inbox_do_every_file_once_as_one_daemon_would(
 def test_a_daemon_killed_mid_document_is_finished_by_the_other(
         cluster: Cluster, corpus_dir: Path) -> None:
     c = cluster
-    c.engine.update(delay_s=0.4)
+    c.engine.update(default={"delay_s": 0.4})
     a = c.host("host-a")
     a.start()
     a.wait_answering(60)
@@ -194,7 +195,7 @@ def test_a_daemon_killed_mid_document_is_finished_by_the_other(
 def test_postgres_restart_mid_run_loses_nothing(
         cluster: Cluster, corpus_dir: Path, pg_server: PgServer) -> None:
     c = cluster
-    c.engine.update(delay_s=0.3)
+    c.engine.update(default={"delay_s": 0.3})
     a, b = c.host("host-a"), c.host("host-b")
     for d in (a, b):
         d.start()
@@ -216,6 +217,36 @@ def test_postgres_restart_mid_run_loses_nothing(
     assert sorted(p.name for p in a.done.iterdir()) == sorted((LONG, *FILES))
     assert a.alive() and b.alive()
     print(f"pg_ctl restart: first page stored {resumed_s:.1f} s after it began")
+
+
+def test_a_job_cancelled_from_another_host_is_left_by_its_owner(
+        cluster: Cluster, corpus_dir: Path) -> None:
+    """``chandractl cancel`` on a host that does not run the job: the input goes to
+    ``failed/`` with its ``cancelled`` error, and the owner drops the job at its next step
+    without failing it, moving anything or writing outputs."""
+    c = cluster
+    c.engine.update(default={"delay_s": 0.4})
+    hosts = {"host-a": c.host("host-a"), "host-b": c.host("host-b")}
+    for d in hosts.values():
+        d.start()
+    for d in hosts.values():
+        d.wait_answering(60)
+    drop(corpus_dir / "good" / LONG, c.shared / "inbox")
+    wait_until(lambda: sum(s == "done" for _, _, s, _, _ in _pages(c)) >= 2, 60,
+               "pages done", context=lambda: "".join(d.tail() for d in hosts.values()))
+    state, owner = c.jobs()[LONG]
+    assert state == "running" and owner in hosts
+    runs = hosts[owner]
+    other = hosts["host-b" if owner == "host-a" else "host-a"]
+    (job_id,), = c.rows("SELECT id FROM jobs")
+    assert other.ctl_json("cancel", str(job_id))["cancelled"] == job_id
+    wait_until(lambda: "job_lease_lost" in runs.log_path.read_text(), 20,
+               "the owner leaves the cancelled job", context=runs.tail)
+    assert c.jobs()[LONG][0] == "cancelled"
+    assert json.loads((runs.failed / f"{LONG}.error.json").read_text())["code"] == "cancelled"
+    assert not list(runs.output.rglob("*.md")) and not list(runs.done.iterdir())
+    log = runs.log_path.read_text()
+    assert "job_failed" not in log and "job_stuck" not in log and runs.alive()
 
 
 def test_unreachable_postgres_at_start_is_retried_with_status_saying_why(

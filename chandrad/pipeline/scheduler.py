@@ -269,12 +269,8 @@ class Pipeline:
             try:
                 await self.jobs.run(job, watch, started)
                 self._held_retry.pop(job.id, None)
-            except (StoreFull, asyncio.CancelledError):
+            except (StoreFull, LeaseLost, asyncio.CancelledError):
                 raise
-            except LeaseLost as exc:  # another host owns the job now: leave it, touch nothing
-                log.warning("job_lease_lost", job=job.id, file=names.display(job.abs_path),
-                            owner=exc.details.get("owner"), reason=exc.message)
-                return
             except OutputUnwritable as exc:
                 self._hold(job, exc)
             except InputError as exc:
@@ -284,6 +280,12 @@ class Pipeline:
             except Exception as exc:  # one bad file must never stop the daemon
                 log.exception(Event.JOB_CRASHED, job=job.id, file=names.display(job.abs_path))
                 await self._fail(job, watch, "internal_error", f"{type(exc).__name__}: {exc}")
+        except LeaseLost as exc:
+            # Another host owns the job now, or cancelled it (a shared store), even while
+            # this host was failing it: leave it, touch none of its files.
+            log.warning("job_lease_lost", job=job.id, file=names.display(job.abs_path),
+                        owner=exc.details.get("owner"), reason=exc.message)
+            return
         except StoreFull as exc:
             # Its progress could not be recorded: the job waits as the store has it (its
             # pages done are kept) and runs again once the store takes writes.
@@ -441,9 +443,10 @@ class Pipeline:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for page in self.store.pages(job_id):
-            if page.state is PageState.IN_FLIGHT:
-                self.store.release_page(job_id, page.index)
+        with contextlib.suppress(LeaseLost):  # another host's job (a shared store): its
+            for page in self.store.pages(job_id):  # pages are that host's to release
+                if page.state is PageState.IN_FLIGHT:
+                    self.store.release_page(job_id, page.index)
         self._backoff.pop(job_id, None)
         self._held_retry.pop(job_id, None)
         job = self.store.get(job_id)

@@ -145,11 +145,15 @@ class PgStore(TableStore):
             f"SELECT owner, lease_until - {NOW} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return (None, None) if row is None else (row[0], row[1])
 
-    def _fence(self, job_id: int) -> None:
-        """Raise LeaseLost unless the job is this host's; one no host owns becomes this
+    def _fence(self, job_id: int, *, cancelled_ok: bool = False) -> None:
+        """Raise LeaseLost unless the job is this host's and (unless ``cancelled_ok``) not
+        cancelled: an operator may cancel it from any host. One no host owns becomes this
         host's (a step on it is a claim). Locks its row for the caller's transaction."""
-        row = self._db.conn.execute("SELECT owner FROM jobs WHERE id = ? FOR UPDATE",
+        row = self._db.conn.execute("SELECT owner, state FROM jobs WHERE id = ? FOR UPDATE",
                                     (job_id,)).fetchone()
+        if row is not None and row[1] == JobState.CANCELLED and not cancelled_ok:
+            raise LeaseLost(f"job {job_id} was cancelled; this host leaves it", job=job_id,
+                            owner=row[0])
         if row is not None and row[0] is None:
             self._db.conn.execute(f"UPDATE jobs SET owner = ?, lease_until = {NOW} + ? "
                                   "WHERE id = ?", (self.host, self.lease_s, job_id))
@@ -163,7 +167,8 @@ class PgStore(TableStore):
                       error_message: str | None = None, pages_total: int | None = None,
                       output_dir: Path | None = None, final_path: Path | None = None) -> None:
         with self._db.tx():
-            self._fence(job_id)
+            if state is not JobState.CANCELLED:  # a cancel is the operator's, from any host
+                self._fence(job_id)
             super().set_job_state(job_id, state, error_code=error_code,
                                   error_message=error_message, pages_total=pages_total,
                                   output_dir=output_dir, final_path=final_path)
@@ -192,7 +197,7 @@ class PgStore(TableStore):
 
     def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
         with self._db.tx():
-            self._fence(job_id)
+            self._fence(job_id, cancelled_ok=True)  # giving a page back is always safe
             super().release_page(job_id, index, charge=charge)
 
     def release_all_in_flight(self) -> int:
