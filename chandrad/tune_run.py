@@ -287,7 +287,15 @@ class Tuner:
                     self.policy.stop(OUT_OF_TIME)
                 return
             dispatcher = Dispatcher([engine])
-            await self._send(dispatcher, 1)  # the first request's warm-up, not measured
+            try:
+                await self._send(dispatcher, 1)  # the first request's warm-up, not measured
+            except EngineUnavailable:
+                if engine.last_failure is None:
+                    raise
+                self.policy.failed(dataclasses.replace(step, levels=step.levels[:1]),
+                                   str(engine.last_failure.cls), engine.last_failure.numbers)
+                self.view.measured(self.policy.measures[-1])
+                return
             for level in step.levels:
                 measure = await self._level(engine, dispatcher, level, step)
                 if measure is None:
