@@ -11,7 +11,10 @@ opens the source and hands over the open document or the decoded frames.
   of that length would take in a box of that shape (an advance of half an em per
   character, a line pitch of 1.2 em), the lines stacked evenly over the box's height and
   each character given the advance that makes the block's longest line fill the box's
-  width. Search highlights then cover the block, line by line.
+  width, at most 0.6 em (wider spaces make extractors split a line into columns; a
+  shorter line starts at the box's left edge, a right-to-left one ends at its right
+  edge). Search highlights then cover the block, line by line. A right-to-left line is
+  stored in visual order, as extractors expect of a printed page.
 * **The font**: a glyphless TrueType font (every glyph empty, 500 units wide, as
   Tesseract's and OCRmyPDF's text layers use), embedded as a Type0 font with
   ``Identity-H`` encoding: the text is written as UTF-16 code units, which a ToUnicode
@@ -34,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import unicodedata
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +52,9 @@ _ASCENT = 800
 _DESCENT = -200
 #: Line pitch in ems assumed when guessing how many lines a block's text takes.
 _PITCH_EM = 1.2
+#: The widest advance per character, in ems: wider spaces make poppler's and MuPDF's
+#: text extraction split a line's words into columns.
+MAX_ADVANCE_EM = 0.6
 #: Tags that end a line of text.
 _LINE_TAGS = frozenset({"p", "div", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6",
                         "table", "thead", "tbody", "ul", "ol", "blockquote", "pre",
@@ -252,6 +259,20 @@ def block_lines(paragraphs: list[str], width: float, height: float) -> list[str]
     return lines
 
 
+def right_to_left(line: str) -> bool:
+    """Arabic or Hebrew letters and no left-to-right letters or European digits."""
+    classes = {unicodedata.bidirectional(c) for c in line}
+    return bool(classes & {"R", "AL"}) and not classes & {"L", "EN"}
+
+
+def visual_order(line: str) -> str:
+    """A right-to-left line reversed: text extractors read characters by their place on
+    the line and reverse right-to-left runs back into reading order, as they do for a
+    printed page. A line mixing directions is left in reading order (no bidi algorithm
+    here: its right-to-left words come out reversed)."""
+    return line[::-1] if right_to_left(line) else line
+
+
 def _utf16_hex(text: str) -> str:
     """The text's UTF-16 code units in hex; characters beyond the BMP (no ToUnicode
     entry) as U+FFFD."""
@@ -287,14 +308,18 @@ def layer_stream(layout: PageLayout, shown_width: float, shown_height: float,
         if not lines:
             continue
         pitch = box_h / len(lines)
-        advance = box_w / max(len(line) for line in lines)  # points per character
         size = pitch * _UNITS / (_ASCENT - _DESCENT)  # the em: ascent to descent fills a line
+        # points per character: the longest line fills the box, unless its spaces would
+        # then be wide enough for extractors to take the words for columns
+        advance = min(box_w / max(len(line) for line in lines), MAX_ADVANCE_EM * size)
         for i, line in enumerate(lines):
             baseline = y0 + i * pitch + size * _ASCENT / _UNITS
+            # a right-to-left line that does not fill the box ends at its right edge
+            start = x1 - len(line) * advance if right_to_left(line) else x0
             # glyph space → shown space (y down) → PDF space
-            m = pymupdf.Matrix(advance * _UNITS / _ADVANCE, 0, 0, -size, x0, baseline) * to_pdf
+            m = pymupdf.Matrix(advance * _UNITS / _ADVANCE, 0, 0, -size, start, baseline) * to_pdf
             ops.append(f"{' '.join(_num(v) for v in (m.a, m.b, m.c, m.d, m.e, m.f))} Tm "
-                       f"<{_utf16_hex(line)}> Tj")
+                       f"<{_utf16_hex(visual_order(line))}> Tj")
     if not ops:
         return b""
     return (f"BT 3 Tr /{FONT_NAME} 1 Tf\n" + "\n".join(ops) + "\nET\n").encode("ascii")

@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import subprocess
+import unicodedata
 from pathlib import Path
 
 import pymupdf
@@ -43,6 +44,7 @@ ANSWER = (
     '<div data-bbox="60 540 940 600" data-label="Equation-Block">'
     '<math display="block">E = m c^2</math></div>'
     '<div data-bbox="60 620 940 700" data-label="Text"><p>中文 文本 检索</p></div>'
+    '<div data-bbox="60 720 940 790" data-label="Text"><p>مرحبا بالعالم</p></div>'
 )
 
 
@@ -51,7 +53,7 @@ def _expected(tag: str) -> list[list[str]]:
     return [[f"Quarterly report {tag}"],
             ["The committee met on Tuesday to review the budget for printing, postage "
              "and the archive of scanned letters."],
-            ["Item Cost", "Paper 12.50"], ["E = m c^2"], ["中文 文本 检索"]]
+            ["Item Cost", "Paper 12.50"], ["E = m c^2"], ["中文 文本 检索"], ["مرحبا بالعالم"]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,8 +81,13 @@ def _page_sizes(pdf: Path) -> list[tuple[float, float, int]]:
     return [(w, h, r) for (w, h), r in zip(sizes, rots, strict=True)]
 
 
-def _pages_text(pdf: Path) -> list[str]:
-    return _run("pdftotext", "-layout", pdf, "-").split("\f")[:-1]
+def _pages_text(pdf: Path, layout: bool = True) -> list[str]:
+    """Each page's text by ``pdftotext -layout`` (or in reading order: ``layout=False``)."""
+    return _run("pdftotext", *(["-layout"] if layout else []), pdf, "-").split("\f")[:-1]
+
+
+def _rtl(text: str) -> bool:
+    return any(unicodedata.bidirectional(c) in ("R", "AL") for c in text)
 
 
 def _bbox_words(pdf: Path) -> list[list[tuple[str, float, float, float, float]]]:
@@ -144,6 +151,8 @@ def check_searchable(source: Path, out: Path, layouts: list[textlayer.PageLayout
             assert rot == 0 and abs(w - sw) < 0.01 and abs(h - sh) < 0.01, (got, shown)
         source_text = [""] * len(shown)
     texts, words, out_sizes = _pages_text(out), _bbox_words(out), _page_sizes(out)
+    # -layout prints a right-to-left line's far-apart words as columns, left to right
+    reading = _pages_text(out, layout=False)
     assert len(texts) == len(words) == len(shown)
     layered = 0
     for i, layout in enumerate(layouts):
@@ -151,11 +160,12 @@ def check_searchable(source: Path, out: Path, layouts: list[textlayer.PageLayout
             assert texts[i] == source_text[i]
             continue
         layered += 1
-        flat = _flat(texts[i])
+        flat, flat_reading = _flat(texts[i]), _flat(reading[i])
         expected = _expected(f"p{i + 1}")
         for lines in expected:
             for line in lines:
-                assert line in flat, (source.name, i + 1, line, flat)
+                assert line in (flat_reading if _rtl(line) else flat), (source.name, i + 1,
+                                                                          line, flat)
         # poppler's page as shown, in its units (a /UserUnit page: PDF user units)
         w, h, rot = out_sizes[i]
         w, h = (h, w) if rot in (90, 270) else (w, h)
@@ -168,8 +178,9 @@ def check_searchable(source: Path, out: Path, layouts: list[textlayer.PageLayout
             inside = [text for (bx0, by0, bx1, by1), text in boxes
                       if bx0 - 0.5 <= x0 and x1 <= bx1 + 0.5 and by0 - 0.5 <= y0
                       and y1 <= by1 + 0.5]
-            assert any(word in text.split() for text in inside), (source.name, i + 1, word,
-                                                                  x0, y0, x1, y1)
+            # -bbox gives a right-to-left word as it is placed: its letters reversed
+            assert any(word in text.split() or word[::-1] in text.split() for text in inside), (
+                source.name, i + 1, word, x0, y0, x1, y1)
     return layered
 
 
