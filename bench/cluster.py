@@ -88,7 +88,7 @@ def commits(url: str) -> int:
 
 def one_run(root: Path, engines: list[StandinServer], hosts: int, store_url: str,
             args: argparse.Namespace) -> dict[str, Any]:
-    shared = root / "shared"
+    shared = root / "spool"
     daemons: list[HostDaemon] = []
     per_host = [engines[i::hosts] for i in range(hosts)]
     for i, mine in enumerate(per_host):

@@ -100,7 +100,7 @@ class Cluster:
 def cluster(tmp_path: Path, pg_server: PgServer) -> Iterator[Cluster]:
     # Two pages at once, like a small GPU: a 15-page document takes seconds, not one.
     engine = StandinServer(tmp_path / "engine", {"delay_s": 0.15, "max_running": 2}).start()
-    c = Cluster(pg_server.new_database(), engine, tmp_path / "shared", [])
+    c = Cluster(pg_server.new_database(), engine, tmp_path / "spool", [])
     try:
         yield c
     finally:
