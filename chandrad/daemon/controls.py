@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from chandrad.daemon import report
+from chandrad.daemon.door import ApiStatusSource, next_jobs, with_queue_positions
 from chandrad.daemon.lifecycle import Lifecycle
 from chandrad.daemon.queue import Command, CommandQueue, stopping_refusal
 from chandrad.daemon.reload import Reloader
@@ -52,13 +53,20 @@ class Controls:
         self._reloader = reloader
         self._watching = watching
         self._drain_waiters: list[Command] = []
+        #: The HTTP job API's status, once it listens (``[api]``).
+        self.api_status: ApiStatusSource | None = None
 
     # ------------------------------------------------------------ reads
     def status(self) -> StatusReply:
-        return self._reporter.status_reply()
+        reply = self._reporter.status_reply()
+        reply["next_jobs"] = next_jobs(self._store)
+        if self.api_status is not None:
+            reply["api"] = self.api_status()
+        return reply
 
     def queue(self, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
-        return [job.to_dict() for job in self._store.list_jobs(state, limit)]
+        return with_queue_positions(
+            self._store, [job.to_dict() for job in self._store.list_jobs(state, limit)])
 
     def gpu(self) -> GpuReply:
         return report.gpu_reply(self._engines)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from typing import assert_never
+from typing import TYPE_CHECKING, assert_never
 
 import structlog
 
@@ -30,6 +30,7 @@ from chandrad.control.handlers import Handlers
 from chandrad.control.server import ControlServer
 from chandrad.daemon import report
 from chandrad.daemon.controls import Controls
+from chandrad.daemon.door import ApiDoor
 from chandrad.daemon.lifecycle import Lifecycle
 from chandrad.daemon.queue import CommandQueue, tick
 from chandrad.daemon.reload import Reloader
@@ -60,6 +61,9 @@ from chandrad.store import StoreBackend
 from chandrad.systemd import Notifier, WatchdogPinger
 from chandrad.tasks import TaskSupervisor
 from chandrad.watch import FolderWatcher
+
+if TYPE_CHECKING:
+    from chandrad.api import ApiServer
 
 log = structlog.get_logger("chandrad.daemon")
 
@@ -104,6 +108,8 @@ class Daemon:
         self.metrics = Metrics(self, lambda: report.metrics_info(self.lifecycle.config,
                                                                  self.engine))
         self.metrics_listener = MetricsListener(self.metrics)
+        #: The HTTP job API (``[api]``), started with the control socket.
+        self.api: ApiServer | None = None
         #: Replaced by one over the store, engines and pipeline once start-up built them.
         self.reporter = Reporter(self.lifecycle, self.tasks, self.metrics_listener)
 
@@ -142,6 +148,9 @@ class Daemon:
             self.lifecycle.set_exit_code(ExitCode.SOFTWARE)
             raise
         finally:
+            if self.api is not None:  # no new request; those in progress are answered
+                self.tasks.let_finish("api")
+                await self.api.stop()
             await Shutdown(self.lifecycle, self.queue, self.notifier, self.tasks,
                            self.metrics_listener, reloader=self.reloader,
                            watching=self.watching, control=self.control,
@@ -214,6 +223,8 @@ class Daemon:
             self.control = ControlServer(cfg.control_socket(), Handlers(self.controls),
                                          mode=cfg.control.mode, group=cfg.control.group)
             await self.control.start()
+            if cfg.api.enabled:
+                await self._start_api(cfg, pipeline)
             await self.watching.start(cfg)
         # A flag verdict (a config error) from an engine task ends the daemon (exit 78).
         for engine in self.engines:
@@ -235,6 +246,18 @@ class Daemon:
         self.notifier.ready(self.status_line())
         log.info(Event.DAEMON_STARTED, version=__version__, pid=os.getpid(),
                  socket=str(cfg.control_socket()), watches=len(cfg.watch))
+
+    async def _start_api(self, cfg: Config, pipeline: Pipeline) -> None:
+        """The HTTP job API and its webhook sender (imported only when ``[api]`` is on)."""
+        from chandrad.api import ApiServer
+
+        assert self.store is not None and self.controls is not None
+        self.api = ApiServer(cfg, self.store, ApiDoor(pipeline, self.queue))
+        await self.api.start()
+        self.tasks.start("api", self.api.serve)
+        self.tasks.start("webhooks", self.api.deliver)
+        self.controls.api_status = self.api.status
+        self.metrics.count_webhooks(self.api.webhook_counts)
 
     def _build_parts(self, pipeline: Pipeline) -> None:
         """The parts over the services start-up built, each given what it uses."""

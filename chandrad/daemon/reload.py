@@ -241,9 +241,11 @@ def keep_start_only_settings(running: Config, new: Config) -> tuple[Config, list
         ("control.group", running.control.group, new.control.group),
         ("control.mode", running.control.mode, new.control.mode),
         ("metrics.listen", running.metrics.listen, new.metrics.listen),
+        *((f"api.{f.name}", getattr(running.api, f.name), getattr(new.api, f.name))
+          for f in dataclasses.fields(running.api)),
     ) if old != now]
     kept = dataclasses.replace(
-        new, control=running.control, metrics=running.metrics,
+        new, control=running.control, metrics=running.metrics, api=running.api,
         daemon=dataclasses.replace(
             new.daemon, state_dir=running.daemon.state_dir, store=running.daemon.store,
             store_url=running.daemon.store_url, sqlite_dir=running.daemon.sqlite_dir,
