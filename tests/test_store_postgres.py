@@ -185,3 +185,28 @@ def test_a_second_live_host_with_the_same_id_is_refused(
     t0 = time.monotonic()
     hosts("host-a", lease_s=1.0)
     assert time.monotonic() - t0 < 0.5
+
+
+def test_a_down_server_costs_later_calls_one_attempt_not_the_reconnect_wait(
+        hosts: Callable[..., PgStore], pg_server: PgServer) -> None:
+    """A server that stays down: the first call waits out the reconnect window (a restart
+    would be back by then), later calls try once and say StoreUnreachable at once, so a
+    reader (status, a scrape) never stalls the daemon's loop; the server back, the next
+    call reads again."""
+    a = hosts("host-a")
+    job_id = _accept(a, "doc.pdf")
+    pg_server.stop()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnreachable):
+            a.counts()
+        first_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        with pytest.raises(StoreUnreachable):
+            a.counts()
+        later_s = time.monotonic() - t1
+    finally:
+        pg_server.start()
+    assert first_s >= 3.0 and later_s < 0.5, (first_s, later_s)
+    assert a.counts().get("pending") == 1 and a.get(job_id) is not None  # type: ignore[arg-type]
+    print(f"down server: first call {first_s:.2f} s, later calls {later_s * 1000:.0f} ms")
