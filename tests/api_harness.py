@@ -55,7 +55,8 @@ def api_daemon(root: Path, *, callback_url: str = "",
     if callback_url:
         api["callback_url"] = callback_url
     d = Daemon(root, standin_engine(root, port=free_port(), stop_timeout=3),
-               tables=table("api", api) + table("metrics", {"listen": ""}))
+               tables=table("api", api)
+               + table("metrics", {"listen": f"127.0.0.1:{free_port()}"}))
     d.control(mode="serve", delay_s=0)
     return d, f"http://127.0.0.1:{port}"
 

@@ -363,6 +363,10 @@ def test_webhook_survives_kill9_between_end_and_delivery(api: tuple[Daemon, str]
         poll(given_up, 30, "the webhook given up")
     assert given_up()[0]["error"] == "HTTP 500"
     assert d.ctl_json("status")["api"]["webhooks"]["undeliverable"] >= 1
+    listen = d.ctl_json("status")["daemon"]["metrics"]["listen"]
+    exposition = httpx.get(f"http://{listen}/metrics").text
+    assert 'chandrad_webhooks{state="undeliverable"} 1.0' in exposition, exposition[-2000:]
+    assert 'chandrad_webhooks{state="delivered"}' in exposition
     assert "webhook_undeliverable" in d.log_path.read_text()
 
 
