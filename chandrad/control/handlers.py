@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from chandrad import PROTOCOL_VERSION, __version__
-from chandrad.errors import ControlError, ControlErrorCode, ProtocolError
+from chandrad.errors import ControlError, ControlErrorCode, ProtocolError, StoreUnreachable
 from chandrad.interfaces import DaemonControl
 from chandrad.protocol import validate_args, versioned
 
@@ -51,13 +51,18 @@ class Handlers:
         """Validate ``args`` for ``cmd`` and run it.
 
         Raises:
-            ControlError: ``unknown_command``/``bad_request`` from validation, or whatever
-                the daemon raises (``invalid_state``, ``not_found``).
+            ControlError: ``unknown_command``/``bad_request`` from validation, whatever
+                the daemon raises (``invalid_state``, ``not_found``), or
+                ``store_unreachable`` when the command needed the store and its server
+                cannot be reached.
         """
         validate_args(cmd, args)
         handler = self._table[cmd]
         kwargs = {k: v for k, v in args.items() if v is not None}
-        return await handler(**kwargs)
+        try:
+            return await handler(**kwargs)
+        except StoreUnreachable as exc:  # the daemon carries on; the request cannot
+            raise ControlError(ControlErrorCode.STORE_UNREACHABLE, exc.message) from None
 
     async def status(self) -> Result:
         return _as_result("status", self.daemon.status())

@@ -105,6 +105,9 @@ def status_blocks(r: dict[str, Any]) -> list[Block]:
                    f"restarts {text(engine.get('restarts'))}"),
         ("profile", _profile(engine.get("profile"))),
     ])
+    store = daemon.get("store") or {}
+    if isinstance(store, dict) and store.get("error"):  # full, or its server unreachable
+        summary.rows.insert(1, ("store", text(store.get("error"))))
     fetch = engine.get("fetch")
     if isinstance(fetch, dict):
         done, total = fetch.get("done") or 0, fetch.get("total") or 0

@@ -7,8 +7,9 @@ run in the request's task, assembled by ``daemon/report``. Every command that ch
 the daemon's one command queue and awaited; the main loop hands it back to :meth:`apply`,
 the only place those changes are made (``reload`` goes through the queue to
 ``daemon/reload``). A command the daemon cannot honour in its state answers
-``ControlError`` (``invalid_state``, ``not_found``); a stopping daemon refuses ``reload``
-and ``engine restart`` instead of starting them.
+``ControlError`` (``invalid_state``, ``not_found``; ``store_unreachable`` for one that
+needs a store whose server is down, ``control/handlers``); a stopping daemon refuses
+``reload`` and ``engine restart`` instead of starting them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from chandrad.daemon.reload import Reloader
 from chandrad.daemon.report import Reporter
 from chandrad.daemon.watching import Watching
 from chandrad.engine.supervisor import EngineSupervisor
-from chandrad.errors import ControlError, ControlErrorCode, InternalError
+from chandrad.errors import ControlError, ControlErrorCode, InternalError, StoreUnreachable
 from chandrad.pipeline import Pipeline
 from chandrad.protocol import GpuReply, StatusReply
 from chandrad.states import DaemonCommand, DaemonState, EngineCommand, PipelineMode
@@ -164,7 +165,11 @@ class Controls:
         Called by each command and each tick of the main loop."""
         if self._lifecycle.state is not DaemonState.DRAINING:
             return
-        if self._pipeline.idle():
+        try:
+            idle = self._pipeline.idle()
+        except StoreUnreachable:
+            return  # not known while the store's server is down: a later tick checks
+        if idle:
             self._lifecycle.set_state(DaemonState.DRAINED, "all accepted work finished")
             for waiter in self._drain_waiters:
                 waiter.answer({"state": "drained", "queue": self._reporter.queue_counts()})

@@ -307,7 +307,7 @@ class Daemon:
             self.queue.put(DaemonCommand.SHUTDOWN_NOW)
 
     def _has_backlog(self) -> bool:
-        counts = report.queue_counts(self.store)
+        counts = self.reporter.queue_counts()
         return counts.get("pending", 0) + counts.get("active", 0) > 0
 
     async def _run_batch(self) -> None:

@@ -2,6 +2,11 @@
 and ``version`` replies (``protocol.StatusReply``/``GpuReply``) and the ``chandrad_info``
 labels. Read-only: each is assembled from the parts when asked.
 
+Nothing here raises for a store that cannot be reached (PostgreSQL down): each store read
+goes through :meth:`Reporter.read`, which answers what the daemon last read (the queue's
+counts, the page rates) and tells the pipeline, so the line and ``status`` say
+``STORE UNREACHABLE`` with the reason instead of ending the daemon.
+
 :class:`Reporter` is given the parts it reads; before start-up has built the store, the
 engines and the pipeline, the daemon's reporter has none of them (the line then says so).
 """
@@ -10,8 +15,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from chandrad import PROTOCOL_VERSION, __version__
 from chandrad import gpu as nvml
@@ -21,11 +26,14 @@ from chandrad.daemon.wiring import MetricsListener
 from chandrad.engine.dispatch import Dispatcher, engine_status
 from chandrad.engine.learned import installed_vllm_version
 from chandrad.engine.supervisor import EngineSupervisor
+from chandrad.errors import StoreFull, StoreUnreachable
 from chandrad.pipeline import Pipeline
-from chandrad.protocol import GpuReply, StatusReply
+from chandrad.protocol import GpuReply, HeldStatus, StatusReply
 from chandrad.states import DaemonState, EngineState
 from chandrad.store import StoreBackend
 from chandrad.tasks import TaskSupervisor
+
+T = TypeVar("T")
 
 
 class ReloadStatus(Protocol):
@@ -40,11 +48,6 @@ class ReloadStatus(Protocol):
     def refused(self) -> str:
         """Why the last reload was refused, until one applies ("" otherwise)."""
         ...
-
-
-def queue_counts(store: StoreBackend | None) -> dict[str, int]:
-    """Jobs per state (empty before the store is open)."""
-    return store.counts() if store else {}
 
 
 def engine_version(engine: EngineSupervisor | None) -> str:
@@ -87,6 +90,32 @@ class Reporter:
         self._engines = engines
         self._dispatcher = dispatcher
         self._pipeline = pipeline
+        #: What the last successful reads said, answered while the store cannot be read.
+        self._counts: dict[str, int] = {}
+        self._rates = (0.0, 0.0)
+        #: Why the last store read failed (None: it succeeded); the pipeline's own
+        #: refusal (``Pipeline.store_error``) is the one shown when there is a pipeline.
+        self._unreachable: StoreUnreachable | None = None
+
+    def read(self, read: Callable[[], T], fallback: T) -> T:
+        """``read()`` from the store, or ``fallback`` while the store cannot be reached
+        (noted for the line and ``status``; never raised)."""
+        try:
+            value = read()
+        except StoreUnreachable as exc:
+            self._unreachable = exc
+            if self._pipeline:
+                self._pipeline.store_read(exc)
+            return fallback
+        self._unreachable = None
+        if self._pipeline:
+            self._pipeline.store_read(None)
+        return value
+
+    @property
+    def store_error(self) -> StoreFull | None:
+        """Why the store refuses writes or reads now (None while it takes them)."""
+        return self._pipeline.store_error if self._pipeline else self._unreachable
 
     def status_line(self) -> str:
         """One line for systemd's ``STATUS=``: state, engines, queue, and the way out of
@@ -102,11 +131,11 @@ class Reporter:
             if fatal and len(fatal) < len(engines):
                 engine += (f", FATAL {','.join(e.engine_id for e in fatal)} (chandractl "
                            f"engine restart ID): {fatal[0].fatal_reason}")
-        counts = queue_counts(self._store)
+        counts = self.queue_counts()
         line = (f"{state.value}; engine {engine}; queue pending={counts.get('pending', 0)} "
                 f"active={counts.get('active', 0)} done={counts.get('done', 0)} "
                 f"failed={counts.get('failed', 0)}")
-        held = pipeline.held_counts() if pipeline else {}
+        held: dict[str, int] = self.read(pipeline.held_counts, {}) if pipeline else {}
         if held:
             # The jobs status lists under "held", whatever keeps them: each reason's count.
             reasons = ", ".join(f"{reason} {n}" for reason, n in held.items())
@@ -127,19 +156,52 @@ class Reporter:
             line += f"; METRICS OFF: {self._metrics_listener.error}"
         if state is DaemonState.RELOADING and reload and reload.phase:
             line += f"; reload: {reload.phase}"
-        if pipeline and pipeline.store_full:  # the way out, before the line is cut
-            line = f"STORE FULL: {pipeline.store_full}; {line}"
+        error = self.store_error
+        if error is not None:  # the way out, before the line is cut
+            line = f"{error.title.upper()}: {error.message}; {line}"
         if reload and reload.refused:  # first: systemd's STATUS= is cut at its end
             line = f"reload failed: {reload.refused} (old config kept); {line}"
         return line
 
     def queue_counts(self) -> dict[str, int]:
-        return queue_counts(self._store)
+        """Jobs per state (empty before the store is open; the last known while it cannot
+        be read)."""
+        store = self._store
+        if store is None:
+            return {}
+        self._counts = self.read(store.counts, self._counts)
+        return self._counts
+
+    def _page_rates(self, now: float) -> tuple[float, float]:
+        """Pages done in the last minute, and per minute over the last 15 minutes."""
+        store = self._store
+        assert store is not None
+        self._rates = self.read(lambda: (float(store.pages_done_since(now - 60)),
+                                         round(store.pages_done_since(now - 900) / 15, 2)),
+                                self._rates)
+        return self._rates
+
+    def _held(self) -> HeldStatus:
+        pipeline = self._pipeline
+        if pipeline is None:
+            return {"count": 0, "jobs": []}
+        held: HeldStatus | None = self.read(pipeline.held, None)
+        if held is not None:
+            return held
+        error = self.store_error
+        assert self._store is not None
+        return {"count": 0, "jobs": [{"file": self._store.location,
+                                      "reason": error.code if error else None,
+                                      "message": error.message if error else None}]}
 
     def status_reply(self) -> StatusReply:
         store, pipeline, lifecycle = self._store, self._pipeline, self._lifecycle
         assert store is not None and self._engines
         now = time.time()
+        queue = self.queue_counts()
+        per_min_1m, per_min_15m = self._page_rates(now)
+        held = self._held()
+        error = self.store_error
         return {
             "v": PROTOCOL_VERSION,
             "daemon": {
@@ -153,16 +215,18 @@ class Reporter:
                 "degraded": self._tasks.degraded(),
                 "metrics": {"listen": self._metrics_listener.address,
                             "error": self._metrics_listener.error or None},
+                "store": {"location": store.location, "problem": error.code if error else None,
+                          "error": f"{error.title}: {error.message}" if error else None},
             },
             "tasks": self._tasks.snapshot(),
             # "engine" is engine 0, kept for one release beside "engines".
             "engine": engine_status(self._engines[0]),
             "engines": self._dispatcher.engine_snapshots() if self._dispatcher else [],
-            "queue": queue_counts(store),
-            "held": pipeline.held() if pipeline else {"count": 0, "jobs": []},
+            "queue": queue,
+            "held": held,
             "throughput": {
-                "pages_per_min_1m": float(store.pages_done_since(now - 60)),
-                "pages_per_min_15m": round(store.pages_done_since(now - 900) / 15, 2),
+                "pages_per_min_1m": per_min_1m,
+                "pages_per_min_15m": per_min_15m,
                 "active_jobs": pipeline.active_jobs if pipeline else 0,
                 "requests_in_flight": pipeline.requests_in_flight if pipeline else 0,
                 "request_limit": pipeline.request_limit if pipeline else 0,

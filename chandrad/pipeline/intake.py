@@ -20,7 +20,7 @@ import structlog
 
 from chandrad import names, outputs
 from chandrad.config import Config
-from chandrad.errors import StoreFull
+from chandrad.errors import StoreFull, StoreUnreachable
 from chandrad.events import Event
 from chandrad.pipeline.content import sha256_file
 from chandrad.store import StoreBackend
@@ -50,23 +50,36 @@ class Settled:
 
 
 class StoreRoom:
-    """Whether the store takes writes: why not (``status``, ``STATUS=``), said once."""
+    """Whether the store takes writes, and why not (``status``, ``STATUS=``), said once:
+    its filesystem is full (``store_full``) or its server cannot be reached
+    (``store_unreachable``); the error's ``title`` is what the operator reads."""
 
     def __init__(self) -> None:
-        #: Why the store refuses writes ("" while it takes them).
-        self.message = ""
+        #: The last refusal, until the store takes writes (or, unreachable, answers) again.
+        self.error: StoreFull | None = None
+
+    @property
+    def message(self) -> str:
+        """Why the store refuses writes ("" while it takes them)."""
+        return self.error.message if self.error else ""
 
     def full(self, exc: StoreFull) -> None:
-        """A write was refused for space: say so once (a warning, no traceback)."""
-        if not self.message:
-            log.warning("store_full", path=exc.details.get("path"), reason=exc.message,
+        """A write or read was refused: say so once (a warning, no traceback)."""
+        if self.error is None or self.error.code != exc.code:
+            log.warning(exc.code, path=exc.details.get("path"), reason=exc.message,
                         retry_every_s=STORE_FULL_RETRY_S)
-        self.message = exc.message
+        self.error = exc
 
     def room(self) -> None:
-        if self.message:
-            self.message = ""
-            log.info("store_has_room")
+        if self.error is not None:
+            log.info("store_reachable" if isinstance(self.error, StoreUnreachable)
+                     else "store_has_room")
+            self.error = None
+
+    def reached(self) -> None:
+        """A read succeeded: an unreachable store is back (a full one still may be full)."""
+        if isinstance(self.error, StoreUnreachable):
+            self.room()
 
 
 def _hash_all(items: list[Settled]) -> list[tuple[Settled, str | None]]:
@@ -110,16 +123,27 @@ class Intake:
                 try:
                     # Hash what is new or changed; a file whose active job recorded the
                     # same size and mtime is that job's content (it re-hashes at start).
-                    fresh = []
-                    for item in batch:
-                        with working_on(item):
-                            if not self._known(item):
-                                fresh.append(item)
+                    fresh = await self._fresh_when_reachable(batch)
                     hashed = await asyncio.to_thread(_hash_all, fresh)
                     await self._accept_when_room(hashed)
                 finally:
                     self.busy = False
                 del self.queue[:len(batch)]
+
+    async def _fresh_when_reachable(self, batch: list[Settled]) -> list[Settled]:
+        """The items of ``batch`` the store does not know as they are, waiting while the
+        store cannot be read (its server is down): the files stay in the inbox."""
+        while True:
+            try:
+                fresh = []
+                for item in batch:
+                    with working_on(item):
+                        if not self._known(item):
+                            fresh.append(item)
+                return fresh
+            except StoreUnreachable as exc:
+                self.room.full(exc)
+                await asyncio.sleep(STORE_FULL_RETRY_S)
 
     async def _accept_when_room(self, hashed: list[tuple[Settled, str | None]]) -> None:
         """Accept a hashed batch, waiting while the store's filesystem is full."""

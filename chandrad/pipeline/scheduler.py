@@ -149,6 +149,18 @@ class Pipeline:
         return self._room.message
 
     @property
+    def store_error(self) -> StoreFull | None:
+        """The store's refusal in force (full or unreachable), None while it takes writes."""
+        return self._room.error
+
+    def store_read(self, exc: StoreFull | None) -> None:
+        """A reader (status, a scrape) could read the store (None), or could not (``exc``)."""
+        if exc is None:
+            self._room.reached()
+        else:
+            self._room.full(exc)
+
+    @property
     def pages_waiting(self) -> int:
         """Rendered pages waiting for a request slot."""
         return self.worker.pages_waiting
@@ -360,11 +372,12 @@ class Pipeline:
                   "retry_in_s": round(max(0.0, self._held_retry.get(j.id, (now, 0.0))[0]
                                           - now), 1)} for j in held]
         waiting = self._store_waiting()
-        if self.store_full:
-            jobs += [{"id": job_id, "file": file, "reason": StoreFull.code,
+        error = self._room.error
+        if error is not None:
+            jobs += [{"id": job_id, "file": file, "reason": error.code,
                       "message": self.store_full} for job_id, file in waiting.items()]
             if self.intake.queue:  # not jobs yet: one line for the files waiting in the inbox
-                jobs.append({"file": self.store.location, "reason": StoreFull.code,
+                jobs.append({"file": self.store.location, "reason": error.code,
                              "message": f"{len(self.intake.queue)} settled file(s) wait in "
                                         f"the inbox: {self.store_full}"})
         return {"count": count + len(backoff) + len(held) + len(waiting), "jobs": jobs}
@@ -389,7 +402,8 @@ class Pipeline:
         for j in self._held_waiting(roots):
             reason = j.error_code or JobState.HELD.value
             out[reason] = out.get(reason, 0) + 1
-        out[StoreFull.code] = len(self._store_waiting())
+        out[self._room.error.code if self._room.error else StoreFull.code] = len(
+            self._store_waiting())
         return {reason: n for reason, n in out.items() if n}
 
     def _backing_off(self, roots: Mapping[Path, WatchConfig]) -> dict[int, Backoff]:

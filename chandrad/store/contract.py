@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from chandrad.states import JobState
-from chandrad.store.records import Job, Page, Recovered
+from chandrad.store.records import ClusterCounts, Job, Page, Recovered
 
 
 @runtime_checkable
@@ -96,6 +96,10 @@ class StoreBackend(Protocol):
     def pages_done_since(self, t: float) -> int: ...
 
     def page_counts(self) -> dict[str, int]: ...
+
+    def cluster_counts(self) -> ClusterCounts | None:
+        """Hosts and leases of a shared store, in one read (None: a single host's)."""
+        ...
 
     # -- learned profiles (per host: they are per GPU) --------------------------------
 

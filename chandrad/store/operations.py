@@ -16,7 +16,7 @@ from chandrad.store.database import SqlDatabase
 from chandrad.store.jobs import JobTable
 from chandrad.store.pages import PageTable
 from chandrad.store.profiles import ProfileTable
-from chandrad.store.records import Job, Page, Recovered
+from chandrad.store.records import ClusterCounts, Job, Page, Recovered
 
 
 class TableStore:
@@ -140,6 +140,11 @@ class TableStore:
     def page_counts(self) -> dict[str, int]:
         """Pages per state (pending, in_flight, done, failed), over every job."""
         return self._pages.counts()
+
+    def cluster_counts(self) -> ClusterCounts | None:
+        """The shared queue's hosts and leases (None: one host, no cluster; PostgreSQL
+        overrides it)."""
+        return None
 
     # -- learned profiles: chandrad.store.profiles -----------------------------------
 

@@ -42,10 +42,23 @@ from chandrad.store.operations import TableStore
 from chandrad.store.pages import _RELEASE
 from chandrad.store.pg_database import PgDatabase
 from chandrad.store.pg_schema import migrate, schema_version
-from chandrad.store.records import Job, Recovered
+from chandrad.store.records import ClusterCounts, Job, Recovered
 
 #: Default seconds a job stays leased to its host without a heartbeat (``daemon.lease_s``).
 DEFAULT_LEASE_S = 30.0
+#: A host in ``hosts``: beating within its lease, silent for longer, or stopped cleanly.
+HOST_STATES = ("up", "silent", "stopped")
+_OPEN = "('pending', 'running', 'held')"
+_HOST_STATE = (f"CASE WHEN stopped_at IS NOT NULL THEN 'stopped' WHEN {NOW} - seen_at <= "
+               "lease_s THEN 'up' ELSE 'silent' END")
+#: :meth:`PgStore.cluster_counts`' one query: ``(kind, state, owner, count)`` rows.
+_CLUSTER_COUNTS = (
+    f"SELECT 'host', {_HOST_STATE}, '', COUNT(*) FROM hosts GROUP BY 2 "
+    f"UNION ALL SELECT 'job', state, COALESCE(owner, ''), COUNT(*) FROM jobs "
+    f"WHERE state IN {_OPEN} GROUP BY state, owner "
+    f"UNION ALL SELECT 'expired', '', '', COUNT(*) FROM jobs WHERE state IN {_OPEN} "
+    f"AND owner IS NOT NULL AND lease_until < {NOW}")
+
 
 
 class PgStore(TableStore):
@@ -207,6 +220,24 @@ class PgStore(TableStore):
             return int(c.execute(
                 _RELEASE + "WHERE state = 'in_flight' AND job_id IN "
                 "(SELECT id FROM jobs WHERE owner = ?)", (self.host,)).rowcount)
+
+    # -- the cluster, for metrics -------------------------------------------------------
+
+    def cluster_counts(self) -> ClusterCounts:
+        """Hosts by state, open jobs by (owner, state) and open jobs whose lease expired,
+        in one round trip (a metrics scrape reads it; ``cluster_status`` is the full view)."""
+        rows = self._db.conn.execute(_CLUSTER_COUNTS).fetchall()
+        hosts = {state: 0 for state in HOST_STATES}
+        jobs: dict[tuple[str, str], int] = {}
+        expired = 0
+        for kind, state, owner, n in rows:
+            if kind == "host":
+                hosts[str(state)] = int(n)
+            elif kind == "job":
+                jobs[(str(owner), str(state))] = int(n)
+            else:
+                expired = int(n)
+        return ClusterCounts(hosts, jobs, expired)
 
     # -- learned profiles: per host ----------------------------------------------------
 

@@ -100,3 +100,12 @@ class Recovered:
 
     pages_released: int = 0
     jobs_running: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterCounts:
+    """Where the shared queue stands, for metrics (``PgStore.cluster_counts``)."""
+
+    hosts: dict[str, int]  #: hosts by state (``HOST_STATES``)
+    jobs: dict[tuple[str, str], int]  #: open jobs by (owner host, "" for none; state)
+    leases_expired: int  #: open jobs whose owner's lease expired (a takeover is due)
