@@ -168,6 +168,8 @@ def test_queue_position_in_the_api_queue_and_status(api: tuple[Daemon, str],
             assert got["queue_position"] == j["queue_position"], (got, j)
         text = d.ctl("queue").stdout
         assert "pending (0 ahead)" in text, text
+        first = pending[0]
+        assert f"#{first['id']} " in d.ctl("status").stdout
         for j in pending:  # leave only the running ones to finish
             assert httpx.delete(f"{base}/v1/jobs/{j['id']}", headers=auth(ALICE)).is_success
     finally:
