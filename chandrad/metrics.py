@@ -383,10 +383,14 @@ class _WebhookCollector(Collector):
         self.counts = counts
 
     def collect(self) -> Iterator[Metric]:
+        try:
+            counts = dict(self.counts())
+        except StoreUnreachable:
+            return  # absent while the store cannot be read (chandrad_store_up says so)
         fam = GaugeMetricFamily("chandrad_webhooks", "The HTTP API's webhooks in the store's "
                                 "outbox by state (undeliverable: given up after "
                                 "api.webhook_deadline).", labels=["state"])
-        for state, n in self.counts().items():
+        for state, n in counts.items():
             fam.add_metric([state], float(n))
         yield fam
 

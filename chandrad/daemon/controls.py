@@ -61,8 +61,10 @@ class Controls:
     def status(self) -> StatusReply:
         reply = self._reporter.status_reply()
         reply["next_jobs"] = next_jobs(self._store)
-        if self.api_status is not None:
-            reply["api"] = self.api_status()
+        if self.api_status is not None:  # its webhooks' counts come from the store
+            api = self._reporter.read(self.api_status, None)
+            if api is not None:
+                reply["api"] = api
         return reply
 
     def queue(self, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
