@@ -38,8 +38,8 @@ def auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def api_daemon(root: Path, *, callback_url: str = "",
-               max_upload: int = MAX_UPLOAD) -> tuple[Daemon, str]:
+def api_daemon(root: Path, *, callback_url: str = "", max_upload: int = MAX_UPLOAD,
+               duplicates: str = "process") -> tuple[Daemon, str]:
     """A daemon (not started) whose ``[api]`` listens on a free port; its base URL."""
     root.mkdir(parents=True, exist_ok=True)
     tokens = root / "api-tokens"
@@ -51,7 +51,8 @@ def api_daemon(root: Path, *, callback_url: str = "",
     port = free_port()
     api: dict[str, Any] = {"enabled": True, "listen": f"127.0.0.1:{port}",
                            "tokens_file": tokens, "webhook_secret_file": secret,
-                           "max_upload": max_upload, "upload_timeout": UPLOAD_TIMEOUT}
+                           "max_upload": max_upload, "upload_timeout": UPLOAD_TIMEOUT,
+                           "duplicates": duplicates}
     if callback_url:
         api["callback_url"] = callback_url
     d = Daemon(root, standin_engine(root, port=free_port(), stop_timeout=3),

@@ -1,4 +1,5 @@
-"""The API's OpenAPI document fuzzed with schemathesis against a real daemon: no 5xx.
+"""The API's OpenAPI document fuzzed with schemathesis against a real daemon: no 5xx; and
+that daemon's ``api.duplicates = "skip"`` answering a second upload of one content 409.
 
 A real ``chandrad run`` (stand-in engine, ``[api]`` on) serves ``/v1/openapi.json``;
 schemathesis builds a hypothesis strategy per operation from it (valid data, then invalid
@@ -12,11 +13,12 @@ strategies are driven with hypothesis directly.)
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import schemathesis
-from api_harness import ALICE, api_daemon, auth, wait_api
+from api_harness import ALICE, BOB, api_daemon, auth, upload, wait_api
 from faults.faultkit import Daemon
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
@@ -28,7 +30,7 @@ MAX_EXAMPLES = 60
 
 @pytest.fixture(scope="module")
 def fuzzed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, str]]:
-    d, base = api_daemon(tmp_path_factory.mktemp("fuzz"))
+    d, base = api_daemon(tmp_path_factory.mktemp("fuzz"), duplicates="skip")
     try:
         d.start()
         wait_api(base, d)
@@ -66,3 +68,24 @@ def test_openapi_fuzz_finds_no_server_error(fuzzed_daemon: tuple[Daemon, str],
           f"statuses {sorted({code for _, code in sent})}")
     assert not errors and len(sent) >= 7 * 5
     assert d.alive(), d.tail()
+
+
+def test_duplicate_upload_with_skip_is_409(fuzzed_daemon: tuple[Daemon, str],
+                                           corpus_dir: Path) -> None:
+    """``api.duplicates = "skip"`` (this module's daemon): the same content again is 409
+    ``duplicate``, naming the existing job to a token that may see it and not to another;
+    the refused copy is not kept."""
+    d, base = fuzzed_daemon
+    doc = corpus_dir / "good" / "digital_sf424-federal-form.pdf"
+    first = upload(base, doc)
+    assert first.status_code == 202, first.text
+    job_id = first.json()["id"]
+    again = upload(base, doc, name="renamed.pdf")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate"
+    assert again.headers["location"] == f"/v1/jobs/{job_id}"
+    other = upload(base, doc, token=BOB)
+    assert other.status_code == 409 and "location" not in other.headers
+    assert str(job_id) not in other.json()["error"]["message"]
+    kept = [p.name for p in (d.state_dir / "api" / "inbox").rglob("*.pdf")]
+    assert "renamed.pdf" not in kept
+
