@@ -75,6 +75,9 @@ class ClusterView(Protocol):
     @property
     def leases_expired(self) -> int: ...
 
+    @property
+    def takeovers(self) -> int: ...
+
 
 class StoreView(Protocol):
     def counts(self) -> dict[str, int]: ...
@@ -166,6 +169,9 @@ def _cluster(cluster: ClusterView) -> Iterator[Metric]:
     yield GaugeMetricFamily("chandrad_cluster_leases_expired", "Open jobs whose host's "
                             "lease expired: another host takes them over at its next poll.",
                             value=float(cluster.leases_expired))
+    yield CounterMetricFamily("chandrad_lease_takeovers", "Jobs this host took over from "
+                              "another host whose lease had expired, since it started.",
+                              value=float(cluster.takeovers))
 
 
 class DaemonCollector(Collector):

@@ -96,6 +96,8 @@ def test_a_silent_hosts_job_is_taken_over_and_the_old_host_is_fenced(
     taken = b.next_jobs([ROOT], (), 5)
     assert [j.id for j in taken] == [job_id] and taken[0].state is JobState.RUNNING
     assert b.owner(job_id)[0] == "host-b"
+    assert (a.takeovers, b.takeovers) == (0, 1)  # chandrad_lease_takeovers_total
+    assert b.next_jobs([ROOT], (), 5) and b.takeovers == 1  # its own job again: none
     b.release_page(job_id, 1)  # what JobRunner.run does with in-flight pages it finds
     with pytest.raises(LeaseLost):
         a.finish_page(job_id, 1, result={"markdown": "late"}, width=1, height=1, seconds=1)

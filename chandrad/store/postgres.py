@@ -71,6 +71,8 @@ class PgStore(TableStore):
         self.lease_s = lease_s
         self.location = db.location
         self._keeper = LeaseKeeper(db.url, host, lease_s)
+        #: Jobs this host claimed from another host whose lease had expired.
+        self.takeovers = 0
 
     @classmethod
     def open(cls, url: str, host: str, lease_s: float = DEFAULT_LEASE_S) -> PgStore:
@@ -133,14 +135,16 @@ class PgStore(TableStore):
         for state in (JobState.RUNNING, JobState.HELD, JobState.PENDING):
             with self._db.tx() as c:
                 rows = c.execute(
-                    f"UPDATE jobs SET owner = ?, lease_until = {NOW} + ? WHERE id IN ("
-                    f"SELECT id FROM jobs WHERE state = ? AND input_root IN ({root_marks}) "
-                    f"{not_ids}AND (owner IS NULL OR owner = ? OR lease_until < {NOW}) "
-                    "ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED) RETURNING id",
-                    (self.host, self.lease_s, state.value,
-                     *(names.fsbytes(r) for r in roots), *exclude, self.host,
-                     limit - len(ids))).fetchall()
+                    "WITH c AS (SELECT id, owner FROM jobs WHERE state = ? AND input_root IN "
+                    f"({root_marks}) {not_ids}AND (owner IS NULL OR owner = ? OR "
+                    f"lease_until < {NOW}) ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED) "
+                    f"UPDATE jobs j SET owner = ?, lease_until = {NOW} + ? FROM c "
+                    "WHERE j.id = c.id RETURNING j.id, c.owner",
+                    (state.value, *(names.fsbytes(r) for r in roots), *exclude, self.host,
+                     limit - len(ids), self.host, self.lease_s)).fetchall()
             ids += sorted(int(r[0]) for r in rows)
+            # Another host's job whose lease expired: a takeover (metrics count them).
+            self.takeovers += sum(1 for _, owner in rows if owner not in (None, self.host))
             if len(ids) >= limit:
                 break
         if not ids:
@@ -237,7 +241,7 @@ class PgStore(TableStore):
                 jobs[(str(owner), str(state))] = int(n)
             else:
                 expired = int(n)
-        return ClusterCounts(hosts, jobs, expired)
+        return ClusterCounts(hosts, jobs, expired, self.takeovers)
 
     # -- learned profiles: per host ----------------------------------------------------
 

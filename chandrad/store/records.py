@@ -109,3 +109,4 @@ class ClusterCounts:
     hosts: dict[str, int]  #: hosts by state (``HOST_STATES``)
     jobs: dict[tuple[str, str], int]  #: open jobs by (owner host, "" for none; state)
     leases_expired: int  #: open jobs whose owner's lease expired (a takeover is due)
+    takeovers: int = 0  #: jobs this host claimed from another whose lease had expired
