@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from daemon_harness import table
+from daemon_harness import OCR, table
 from faults.faultkit import Daemon, free_port, standin_engine
 from waiting import wait_until
 
@@ -56,6 +56,7 @@ def api_daemon(root: Path, *, callback_url: str = "", max_upload: int = MAX_UPLO
     if callback_url:
         api["callback_url"] = callback_url
     d = Daemon(root, standin_engine(root, port=free_port(), stop_timeout=3),
+               ocr={**OCR, "formats": ["md", "html", "json", "pdf"]},
                tables=table("api", api)
                + table("metrics", {"listen": f"127.0.0.1:{free_port()}"}))
     d.control(mode="serve", delay_s=0)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pymupdf
 import pytest
 from api_harness import (
     ALICE,
@@ -97,6 +98,23 @@ def test_submit_poll_result(api: tuple[Daemon, str], corpus_dir: Path, doc: str,
     assert original.content == (corpus_dir / doc).read_bytes()
     bad = httpx.get(f"{base}/v1/jobs/{job['id']}/result?format=pdf", headers=auth(ALICE))
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "bad_format"
+
+
+def test_a_job_that_asks_for_pdf_gets_the_searchable_pdf(api: tuple[Daemon, str],
+                                                         corpus_dir: Path) -> None:
+    """``outputs=md,pdf`` (the daemon's ocr.formats has pdf): the job lists those two and
+    serves the searchable PDF as application/pdf, one page like its source."""
+    d, base = api
+    answer = upload(base, corpus_dir / IMAGE, fields={"outputs": "md,pdf"})
+    assert answer.status_code == 202, answer.text
+    final = wait_final(base, answer.json()["id"], d=d)
+    assert final["state"] == "done" and set(final["results"]) == {"md", "pdf"}, final
+    got = httpx.get(f"{base}{final['results']['pdf']}", headers=auth(ALICE))
+    assert got.status_code == 200, got.text
+    assert got.headers["content-type"] == "application/pdf"
+    with pymupdf.open(stream=got.content, filetype="pdf") as pdf:
+        assert pdf.page_count == 1
+        assert pdf[0].get_text().strip(), "the text layer is empty"
 
 
 def test_tokens_are_enforced(api: tuple[Daemon, str], corpus_dir: Path) -> None:
