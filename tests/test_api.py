@@ -112,7 +112,7 @@ def test_a_job_that_asks_for_pdf_gets_the_searchable_pdf(api: tuple[Daemon, str]
     got = httpx.get(f"{base}{final['results']['pdf']}", headers=auth(ALICE))
     assert got.status_code == 200, got.text
     assert got.headers["content-type"] == "application/pdf"
-    with pymupdf.open(stream=got.content, filetype="pdf") as pdf:
+    with pymupdf.open(stream=got.content, filetype="pdf") as pdf:  # type: ignore[no-untyped-call]
         assert pdf.page_count == 1
         assert pdf[0].get_text().strip(), "the text layer is empty"
 
