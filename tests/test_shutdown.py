@@ -5,6 +5,8 @@ the daemon's own shutdown, not vLLM. Each test checks one promise:
 
 * SIGTERM ends the daemon promptly even when a job waits for an engine that never becomes
   ready (it used to take ~60 s: the drain waited for pages no engine could serve);
+* SIGTERM while paused ends the drain once the pages at the engine are answered (the pause
+  stays in force, so nothing else can progress; it used to wait the whole drain deadline);
 * a second SIGTERM during the drain escalates: stop draining, stop the engine, exit;
 * requests that arrive during the drain are answered (``status``) or refused with a clear
   error (``reload``), never dropped or left without a reply;
@@ -198,3 +200,28 @@ def test_illegal_daemon_state_edge_raises(tmp_path: Path) -> None:
     with pytest.raises(InternalError, match="starting -> drained"):
         daemon.lifecycle.set_state(DaemonState.DRAINED, "test")
     assert daemon.lifecycle.state is DaemonState.STARTING
+
+
+def test_sigterm_while_paused_ends_the_drain_once_requests_in_flight_are_answered(
+        daemon: Daemon, corpus_dir: Path) -> None:
+    """A pause stays in force through the stop, so no further page is sent: the drain ends
+    as soon as the requests already at the engine are answered (nothing else can progress)
+    instead of waiting its whole deadline (engine.stop_timeout + 60 s). The job is left
+    open and resumes at the next start."""
+    d = daemon
+    d.control(mode="serve", delay_s=2)  # the pages at the engine are answered in 2 s
+    d.start()
+    d.wait_engine_ready(60)
+    drop(corpus_dir / DOC, d.inbox, "paused.pdf")
+    d.wait_for("job running", lambda: _job_running(d), 60)
+    d.wait_for("a request at the engine", lambda: (d.status() or {}).get(
+        "throughput", {}).get("requests_in_flight", 0) > 0, 60, every=0.1)
+    assert d.ctl("pause").returncode == 0
+    code, seconds = _sigterm_and_time(d)
+    assert code == 0, d.tail()
+    print(f"SIGTERM while paused: exited in {seconds:.1f} s")
+    assert seconds < 15, f"SIGTERM while paused to exit took {seconds:.1f} s\n{d.tail()}"
+    assert "drain_timeout" not in d.log_path.read_text(), d.tail()
+    assert d.done_pages(), f"the pages at the engine were answered and stored\n{d.tail()}"
+    jobs = d.stored_jobs()
+    assert [j["state"] for j in jobs] in (["running"], ["pending"]), jobs

@@ -1,13 +1,14 @@
 """Stopping, with deadlines (uvicorn's shape): SIGTERM's drain, then the shutdown.
 
 SIGTERM stops intake and finishes the pages in flight while an engine can serve them, for
-at most :func:`drain_timeout`, asking systemd for more stop time at each tick; a second
-SIGTERM (or the engine going fatal with ``exit_on_fatal``) escalates, a reload that arrives
-meanwhile is refused, the other control commands are answered as a stopping daemon
-answers them (``pause``, ``drain``: ``invalid_state``). The shutdown then closes the
-socket, stops the tasks, the jobs and the engines within ``engine.stop_timeout`` +
-:data:`STOP_SLACK_S`, past which it logs what still ran and exits anyway; pages cut off go
-back to the queue for the next start.
+at most :func:`drain_timeout` (while paused, as a pause stays in force through the stop,
+only until the pages already at the engine are answered), asking systemd for more stop
+time at each tick; a second SIGTERM (or the engine going fatal with ``exit_on_fatal``)
+escalates, a reload that arrives meanwhile is refused, the other control commands are
+answered as a stopping daemon answers them (``pause``, ``drain``: ``invalid_state``). The
+shutdown then closes the socket, stops the tasks, the jobs and the engines within
+``engine.stop_timeout`` + :data:`STOP_SLACK_S`, past which it logs what still ran and
+exits anyway; pages cut off go back to the queue for the next start.
 
 :class:`Drain` and :class:`Shutdown` are given the parts they stop; a part start-up did
 not get to build is ``None`` (or no engine), and is skipped.
@@ -89,6 +90,7 @@ class Drain:
         deadline = time.monotonic() + limit
         while (pipeline.active_jobs
                and any(e.state is EngineState.READY for e in engines)
+               and not _paused_and_answered(pipeline)
                and time.monotonic() < deadline):
             notifier.extend_timeout(DRAIN_EXTEND_S)
             self._pinger.progress()
@@ -106,8 +108,18 @@ class Drain:
                 notifier.stopping("stopping now: pages in flight return to the queue")
                 break
         else:
-            if pipeline.active_jobs and engines[0].state is EngineState.READY:
+            if _paused_and_answered(pipeline):
+                log.info("drain_paused", active_jobs=pipeline.active_jobs,
+                         reason="paused: no page is sent; the rest resumes at the next start")
+            elif pipeline.active_jobs and engines[0].state is EngineState.READY:
                 log.warning("drain_timeout", seconds=limit, active_jobs=pipeline.active_jobs)
+
+
+def _paused_and_answered(pipeline: Pipeline) -> bool:
+    """Stopped while paused (no further page is sent) and every page already at the
+    engine answered and stored: nothing the drain waits for can progress any more."""
+    return (pipeline.active_jobs > 0 and not pipeline.mode.dispatches
+            and pipeline.pages_answering == 0)
 
 
 class Shutdown:

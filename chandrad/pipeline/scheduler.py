@@ -431,6 +431,11 @@ class Pipeline:
         return self.limits.inflight.in_use
 
     @property
+    def pages_answering(self) -> int:
+        """Pages sent to an engine whose answer is not stored yet."""
+        return self.worker.pages_answering
+
+    @property
     def request_limit(self) -> int:
         """Requests in flight the pipeline aims for now (engine capacity or the config)."""
         return self._request_limit()

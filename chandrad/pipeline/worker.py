@@ -75,6 +75,9 @@ class PageWorker:
         #: Rendered pages waiting for a request slot (``status``: while any wait, the
         #: requests in flight should be at the limit).
         self.pages_waiting = 0
+        #: Pages sent to an engine whose answer is not stored (or given up, given back)
+        #: yet: the request slot is free once answered, the page's work is not.
+        self.pages_answering = 0
         self.observer: Observer | None = None  # metrics: page outcomes and latencies
         self._patch_pixels: tuple[str, int] | None = None  # (model, pixels per image token)
 
@@ -135,23 +138,27 @@ class PageWorker:
                 max_output_tokens=max_tokens, temperature=send.temperature, top_p=send.top_p)
             self.store.claim_page(job.id, index)
             sent = _Sent(target, max_tokens, time.monotonic())
+            self.pages_answering += 1
             try:
-                answer = await self._ask(job, index, sent, body, policy)
+                try:
+                    answer = await self._ask(job, index, sent, body, policy)
+                finally:
+                    engine_s += time.monotonic() - sent.started
+                    self.engine.release(target)
+                    await self.limits.inflight.release()
+                if answer is None:
+                    continue  # given back (uncharged or charged): ask again
+                if isinstance(answer, dict):
+                    policy.answered()
+                    result = await self._postprocess(answer, page, window)
+                    if isinstance(result, ocr.PageResult):
+                        self._commit(job, index, page, result, answer, sent, policy.attempt)
+                        return PageOutcome(True, inference_s=engine_s)
+                    decision = policy.answer_failed(result)
+                else:
+                    decision = answer
             finally:
-                engine_s += time.monotonic() - sent.started
-                self.engine.release(target)
-                await self.limits.inflight.release()
-            if answer is None:
-                continue  # given back (uncharged or charged): ask again
-            if isinstance(answer, dict):
-                policy.answered()
-                result = await self._postprocess(answer, page, window)
-                if isinstance(result, ocr.PageResult):
-                    self._commit(job, index, page, result, answer, sent, policy.attempt)
-                    return PageOutcome(True, inference_s=engine_s)
-                decision = policy.answer_failed(result)
-            else:
-                decision = answer
+                self.pages_answering -= 1
             if isinstance(decision, GiveUp):
                 return PageOutcome(False, decision.error, engine_s)
             await self._retry(job, index, decision, policy.attempt)
