@@ -36,6 +36,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 from dataclasses import dataclass, field
@@ -385,6 +386,30 @@ def made_file(out_dir: Path, name: str) -> Path:
     except OSError as exc:
         raise output_error(f"cannot create {names.display(parent)}", exc, parent) from exc
     return _temp_name(parent / name)
+
+
+#: :func:`made_file`'s names: ``.<stem>.pdf.<8 hex>.tmp``, or, shortened by
+#: ``names.fit``, ``.<start of the stem>~<8 hex>.<8 hex>.tmp``.
+_MADE_TEMP = re.compile(r"\..*(\.pdf|~[0-9a-f]{8})\.[0-9a-f]{8}\.tmp", re.DOTALL)
+
+
+def remove_made_leftovers(output_root: Path, *, older_than: float | None = None) -> list[Path]:
+    """Remove the :func:`made_file` temp files a killed daemon left under ``output_root``
+    (a render worker was writing ``<stem>.pdf``); run at start, before any job writes.
+    Only files of that naming go; ``older_than`` (a time): only those modified before it
+    (on a shared store another host may be writing one now). The paths removed."""
+    removed: list[Path] = []
+    for directory, _dirs, files in os.walk(output_root):
+        for name in files:
+            if not _MADE_TEMP.fullmatch(name):
+                continue
+            path = Path(directory) / name
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                if older_than is not None and path.lstat().st_mtime >= older_than:
+                    continue
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def _place_made(made: Path, path: Path) -> None:

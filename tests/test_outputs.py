@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CORPUS_DIR
+from faults.faultkit import Daemon, free_port, standin_engine
 from PIL import Image
 
 from chandrad import errors
@@ -23,8 +24,10 @@ from chandrad.outputs import (
     PageOutput,
     atomic_write,
     document_slot,
+    made_file,
     move_to,
     output_dir_for,
+    remove_made_leftovers,
     write_document,
     write_error_json,
 )
@@ -370,3 +373,43 @@ def test_document_slot_after_a_crash_keeps_the_name_it_had(tmp_path: Path) -> No
     moved = move_to(done, inbox, path, slot.suffix)
     placed = document_slot(out, done, inbox, path, meta, placed=moved)
     assert placed == slot
+
+
+def _plant_searchable_pdf_leftovers(output: Path) -> tuple[list[Path], list[Path]]:
+    """Temp files as a daemon killed while a render worker wrote ``<stem>.pdf`` leaves
+    them (:func:`made_file`'s own names, a long stem shortened too), and files of other
+    names beside them: (ours, others)."""
+    ours = [made_file(output / "sub" / "report", "report.pdf"),
+            made_file(output / "sub" / ("é" * 120), f"{'é' * 120}.pdf")]
+    others = [output / "sub" / ".report.pdf.tmp", output / "sub" / "report.pdf.0a1b2c3d.tmp",
+              output / "sub" / "report" / "report.md", output / "notes.pdf"]
+    for path in ours + others:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"%PDF-1.7 cut short by the kill")
+    return ours, others
+
+
+def test_searchable_pdf_leftovers_of_a_killed_daemon_are_removed(tmp_path: Path) -> None:
+    """Only :func:`made_file`'s names go; on a shared store only those old enough."""
+    ours, others = _plant_searchable_pdf_leftovers(tmp_path)
+    assert len(ours[1].name.encode()) <= 255 and "~" in ours[1].name  # shortened
+    os.utime(ours[0], (0, 0))
+    assert remove_made_leftovers(tmp_path, older_than=1.0) == [ours[0]]
+    assert sorted(remove_made_leftovers(tmp_path)) == sorted(ours[1:])
+    assert not any(p.exists() for p in ours)
+    assert all(p.exists() for p in others)
+
+
+def test_daemon_start_removes_searchable_pdf_leftovers(tmp_path: Path) -> None:
+    """A real daemon start clears them before any job writes (stand-in engine)."""
+    d = Daemon(tmp_path, standin_engine(tmp_path, port=free_port()))
+    try:
+        ours, others = _plant_searchable_pdf_leftovers(d.output)
+        d.start()
+        d.wait_for("control socket", lambda: d.status() is not None, 60, every=0.2)
+        assert not any(p.exists() for p in ours), d.tail()
+        assert all(p.exists() for p in others)
+        assert d.log_path.read_text().count("output_leftover_removed") == len(ours)
+        assert d.stop(60) == 0, d.tail()
+    finally:
+        d.cleanup()

@@ -45,6 +45,7 @@ from chandrad.daemon.wiring import (
     make_watch_folders,
     open_store_waiting,
     plan_engines,
+    remove_output_leftovers,
 )
 from chandrad.engine.dispatch import Dispatcher, engine_status
 from chandrad.engine.flagcache import FlagVerdictCache, flag_cache_dir
@@ -208,6 +209,7 @@ class Daemon:
         self._take_early_signals(dict(signals))
         self.store = await open_store_waiting(cfg, self.notifier)
         make_watch_folders(cfg)
+        await asyncio.to_thread(remove_output_leftovers, cfg)
         if self.batch is None:  # before any process is spawned: an address it never gets is 78
             await self.metrics_listener.start(cfg)
         self.engines = [self._supervisor(cfg, spec) for spec in plan_engines(cfg)]

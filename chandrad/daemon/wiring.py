@@ -14,12 +14,13 @@ import dataclasses
 import errno
 import os
 import socket
+import time
 from typing import Any
 
 import structlog
 
 from chandrad import gpu as nvml
-from chandrad import names
+from chandrad import names, outputs
 from chandrad.config import Config, key_line
 from chandrad.engine.profile import GpuFacts
 from chandrad.engine.replicas import GpuSlot, ReplicaSpec, plan_replicas
@@ -154,6 +155,21 @@ def make_watch_folders(cfg: Config) -> None:
     problems = watch_folder_problems(cfg, create=True)
     if problems:
         raise ConfigError(problems)
+
+
+#: On a shared store another host may be writing a searchable PDF beside its output folder
+#: now: only temp files older than this are a dead daemon's (one takes seconds to write).
+SHARED_LEFTOVER_AGE_S = 3600.0
+
+
+def remove_output_leftovers(cfg: Config) -> None:
+    """The searchable PDFs' temp files a killed daemon left in the output folders
+    (``outputs.remove_made_leftovers``), before any job writes; each removal is logged."""
+    older_than = time.time() - SHARED_LEFTOVER_AGE_S if cfg.daemon.store_url else None
+    for output in dict.fromkeys(w.output for w in cfg.watch):
+        for path in outputs.remove_made_leftovers(output, older_than=older_than):
+            log.info("output_leftover_removed", path=names.display(path),
+                     reason="a searchable PDF's temp file from a daemon that was killed")
 
 
 def watch_folder_problems(cfg: Config, *, create: bool) -> list[ConfigProblem]:
