@@ -241,6 +241,10 @@ class ApiConfig:
     formats: tuple[str, ...] = ("md", "html", "json")
     #: The webhook URL of a job that names no ``callback_url``; "" = none.
     callback_url: str = ""
+    #: The hosts a job's own ``callback_url`` may name: a host name or IP address, or
+    #: ``*.example.com`` (any name below it); unset: ``callback_url``'s host, else none
+    #: (a job naming a callback is refused).
+    callback_hosts: tuple[str, ...] = ()
     #: What a second upload of content already queued or done does.
     duplicates: str = "process"
     #: Seconds a webhook is retried before it is given up (``webhook_undeliverable``).
@@ -799,6 +803,7 @@ def _api(r: _Reader, base: Path, ocr: OcrConfig, daemon: DaemonConfig) -> ApiCon
     if callback and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", callback):
         r.problem("callback_url", f"{callback!r} is not an http(s) URL", "config_invalid")
         callback = d.callback_url
+    hosts = _callback_hosts(r, callback)
     cfg = ApiConfig(
         enabled=enabled,
         listen=_listen(r, d.listen, None),
@@ -808,6 +813,7 @@ def _api(r: _Reader, base: Path, ocr: OcrConfig, daemon: DaemonConfig) -> ApiCon
         upload_timeout=r.number("upload_timeout", d.upload_timeout, 0.1, 3600),
         formats=formats,
         callback_url=callback,
+        callback_hosts=hosts,
         duplicates=r.choice("duplicates", d.duplicates, DUPLICATE_POLICIES),
         webhook_deadline=r.number("webhook_deadline", d.webhook_deadline, 1, 30 * 86400),
     )
@@ -821,6 +827,25 @@ def _api(r: _Reader, base: Path, ocr: OcrConfig, daemon: DaemonConfig) -> ApiCon
                   "signs webhooks")
     r.finish()
     return cfg
+
+
+#: An ``api.callback_hosts`` entry: a host name (``*.`` before it: any name below it), an
+#: IPv4 address, or an IPv6 one in brackets.
+_CALLBACK_HOST = re.compile(r"(\*\.)?[a-z0-9]([a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\]")
+
+
+def _callback_hosts(r: _Reader, callback_url: str) -> tuple[str, ...]:
+    """``api.callback_hosts``, lower case, IPv6 addresses without brackets; unset: the
+    host of ``callback_url``, if any."""
+    if r.get("callback_hosts", (list,), None) is None:
+        host = re.sub(r"^https?://(?:[^@/]*@)?(\[[^\]]*\]|[^:/]*).*", r"\1", callback_url)
+        return (host.lower().strip("[]"),) if callback_url else ()
+    hosts = tuple(h.strip().lower() for h in r.strings("callback_hosts", ()))
+    bad = [h for h in hosts if not _CALLBACK_HOST.fullmatch(h)]
+    if bad:
+        r.problem("callback_hosts", f"{bad} are not host names, *.domain patterns or IP "
+                  "addresses", "config_invalid")
+    return tuple(h.strip("[]") for h in hosts if h not in bad)
 
 
 def _covers(root: Path, recursive: bool, target: Path) -> bool:

@@ -39,8 +39,10 @@ def auth(token: str) -> dict[str, str]:
 
 
 def api_daemon(root: Path, *, callback_url: str = "", max_upload: int = MAX_UPLOAD,
-               duplicates: str = "process") -> tuple[Daemon, str]:
-    """A daemon (not started) whose ``[api]`` listens on a free port; its base URL."""
+               duplicates: str = "process",
+               callback_hosts: tuple[str, ...] = ("127.0.0.1",)) -> tuple[Daemon, str]:
+    """A daemon (not started) whose ``[api]`` listens on a free port; its base URL. Jobs
+    may name their own callbacks on ``callback_hosts`` (the test receivers' host)."""
     root.mkdir(parents=True, exist_ok=True)
     tokens = root / "api-tokens"
     tokens.write_text(f"# test tokens\nalice {ALICE}\nbob {BOB}\nroot {ROOT} admin\n")
@@ -52,7 +54,7 @@ def api_daemon(root: Path, *, callback_url: str = "", max_upload: int = MAX_UPLO
     api: dict[str, Any] = {"enabled": True, "listen": f"127.0.0.1:{port}",
                            "tokens_file": tokens, "webhook_secret_file": secret,
                            "max_upload": max_upload, "upload_timeout": UPLOAD_TIMEOUT,
-                           "duplicates": duplicates}
+                           "duplicates": duplicates, "callback_hosts": list(callback_hosts)}
     if callback_url:
         api["callback_url"] = callback_url
     d = Daemon(root, standin_engine(root, port=free_port(), stop_timeout=3),

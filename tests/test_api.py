@@ -229,6 +229,23 @@ def test_refusals_use_failed_codes_and_limits(api: tuple[Daemon, str], corpus_di
     assert not list((d.state_dir / "api" / "tmp").iterdir())
 
 
+def test_a_jobs_own_callback_must_name_an_allowed_host(api: tuple[Daemon, str],
+                                                       corpus_dir: Path) -> None:
+    """A token holder cannot make the server POST into its own network (metadata service,
+    loopback ports, a name tricked past the check): only api.callback_hosts (here the test
+    receivers' 127.0.0.1), compared with the host the webhook client would connect to."""
+    d, base = api
+    before = len(_inbox_files(d))
+    for url in ("http://169.254.169.254/latest/meta-data", "http://localhost:9/hook",
+                "http://127.0.0.1@internal.example/hook", "http://127.0.0.1.nip.io/hook"):
+        answer = upload(base, corpus_dir / PDF, fields={"callback_url": url})
+        assert answer.status_code == 422, (url, answer.text)
+        error = answer.json()["error"]
+        assert error["code"] == "bad_callback", (url, error)
+        assert "api.callback_hosts" in error["message"], (url, error)
+    assert len(_inbox_files(d)) == before
+
+
 # ---------------------------------------------------------------- webhooks
 def test_webhook_signed_once_across_two_failures(api: tuple[Daemon, str],
                                                  corpus_dir: Path) -> None:

@@ -549,6 +549,17 @@ def test_api_is_off_by_default_and_its_folders_live_in_the_state_dir(tmp_path: P
     assert watch.output == Path("/srv/st/api/output")
 
 
+def test_api_callback_hosts_default_to_the_callback_urls_host(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text("s")
+    hooked = '[api]\nwebhook_secret_file = "secret"\ncallback_url = "https://u@Hooks.Example:8443/x"\n'
+    assert config.load_config(_write(tmp_path, WATCH + hooked)).api.callback_hosts == (
+        "hooks.example",)
+    assert config.load_config(_write(tmp_path, WATCH)).api.callback_hosts == ()
+    listed = '[api]\ncallback_hosts = ["*.Corp.example", "10.0.0.5", "[fd00::5]"]\n'
+    assert config.load_config(_write(tmp_path, WATCH + listed)).api.callback_hosts == (
+        "*.corp.example", "10.0.0.5", "fd00::5")
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ("[api]\nenabled = true\n", "api.tokens_file"),
     ('[api]\nlisten = "nowhere"\n', "api.listen"),
@@ -558,6 +569,8 @@ def test_api_is_off_by_default_and_its_folders_live_in_the_state_dir(tmp_path: P
     ('[api]\ncallback_url = "http://x/hook"\n', "api.webhook_secret_file"),
     ("[api]\nmax_upload = 0\n", "api.max_upload"),
     ('[api]\nduplicates = "merge"\n', "api.duplicates"),
+    ('[api]\ncallback_hosts = ["http://x/"]\n', "api.callback_hosts"),
+    ('[api]\ncallback_hosts = "x.example"\n', "api.callback_hosts"),
     ("[api]\ntoken = 1\n", "api.token"),
     ('[daemon]\nstore = "postgresql://db/chandrad"\n[api]\nenabled = true\n'
      'tokens_file = "t"\n', "api.enabled"),

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import structlog
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
@@ -304,13 +305,29 @@ class Api:
             if bad or not outputs:
                 raise ApiError(422, "bad_format", f"outputs {bad or raw!r}: choose among "
                                f"{list(self.config.ocr.formats)}")
-        callback = fields.get("callback_url") or self.config.api.callback_url or None
+        own = fields.get("callback_url")
+        callback = own or self.config.api.callback_url or None
         if callback is not None:
             if not CALLBACK.fullmatch(callback) or len(callback) > 2048:
                 raise ApiError(422, "bad_callback", "callback_url is not an http(s) URL")
+            if own:
+                self._check_callback_host(own)
             if self.secret is None:
                 raise ApiError(422, "bad_callback", "webhooks need api.webhook_secret_file")
         return outputs, callback
+
+    def _check_callback_host(self, url: str) -> None:
+        """A job's own callback URL must name a host of ``api.callback_hosts`` (parsed as
+        the webhook client parses it, so that no URL trick reaches another host)."""
+        try:
+            host = httpx.URL(url).raw_host.decode("ascii").lower()
+        except (httpx.InvalidURL, ValueError):
+            raise ApiError(422, "bad_callback", "callback_url is not an http(s) URL") from None
+        allowed = self.config.api.callback_hosts
+        if not any(host == h or (h.startswith("*.") and host.endswith(h[1:]))
+                   for h in allowed):
+            raise ApiError(422, "bad_callback", f"callback_url's host {host!r} is not in "
+                           f"api.callback_hosts {list(allowed)}")
 
     async def _check_kind(self, received: Received) -> None:
         try:
