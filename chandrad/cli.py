@@ -1,4 +1,13 @@
-"""The ``chandrad`` command line: ``run``, ``check-config`` and the hidden ``check-flags``.
+"""The ``chandrad`` command line (:data:`PUBLIC_COMMANDS`):
+
+* ``run``: the daemon in the foreground (systemd runs this);
+* ``batch``: the pipeline and a supervised engine once over files and folders;
+* ``check-config``: the config, every engine flag against the installed vLLM, and the
+  engine command line;
+* ``fetch-model``: download ``engine.model`` into the Hugging Face cache;
+* ``store``: ``check`` the store for damage, or ``repair`` it (daemon stopped);
+* ``tune``: measure this host's engine and keep the fastest profile as the learned one;
+* ``check-flags`` (hidden): run by the daemon in the engine's interpreter.
 
 Owns argument parsing and is the ONE place that turns exceptions into
 :class:`~chandrad.errors.ExitCode` values (docs/operations.md, Exit codes):
