@@ -237,7 +237,8 @@ class ApiConfig:
     max_upload: int = 256 << 20
     #: Seconds an upload's body may send nothing before it is refused (408).
     upload_timeout: float = 30.0
-    #: Output formats a job lists and serves when its request names none.
+    #: Output formats a job lists and serves when its request names none (unset in the
+    #: file: ``ocr.formats``).
     formats: tuple[str, ...] = ("md", "html", "json")
     #: The webhook URL of a job that names no ``callback_url``; "" = none.
     callback_url: str = ""
@@ -793,8 +794,10 @@ def _listen(r: _Reader, default: str, off: str | None) -> str:
 def _api(r: _Reader, base: Path, ocr: OcrConfig, daemon: DaemonConfig) -> ApiConfig:
     d = ApiConfig()
     enabled = r.get("enabled", (bool,), d.enabled)
-    formats = r.strings("formats", d.formats)
-    unwritten = [f for f in formats if f not in ocr.formats]
+    # Unset: what the pipeline writes; set: each must be one it writes.
+    given = r.get("formats", (list,), None) is not None
+    formats = r.strings("formats", ocr.formats)
+    unwritten = [f for f in formats if f not in ocr.formats] if given else []
     if unwritten:
         r.problem("formats", f"{unwritten} not written by the pipeline: ocr.formats is "
                   f"{list(ocr.formats)}", "config_range")

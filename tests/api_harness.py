@@ -54,7 +54,8 @@ def api_daemon(root: Path, *, callback_url: str = "", max_upload: int = MAX_UPLO
     api: dict[str, Any] = {"enabled": True, "listen": f"127.0.0.1:{port}",
                            "tokens_file": tokens, "webhook_secret_file": secret,
                            "max_upload": max_upload, "upload_timeout": UPLOAD_TIMEOUT,
-                           "duplicates": duplicates, "callback_hosts": list(callback_hosts)}
+                           "duplicates": duplicates, "callback_hosts": list(callback_hosts),
+                           "formats": ["md", "html", "json"]}
     if callback_url:
         api["callback_url"] = callback_url
     d = Daemon(root, standin_engine(root, port=free_port(), stop_timeout=3),

@@ -560,6 +560,14 @@ def test_api_callback_hosts_default_to_the_callback_urls_host(tmp_path: Path) ->
         "*.corp.example", "10.0.0.5", "fd00::5")
 
 
+def test_api_formats_unset_follow_what_the_pipeline_writes(tmp_path: Path) -> None:
+    """A config that narrows ``ocr.formats`` and says nothing of ``[api]`` loads (the API
+    is off), and a job's default outputs are the pipeline's."""
+    narrowed = '[ocr]\nformats = ["md", "json"]\n'
+    cfg = config.load_config(_write(tmp_path, WATCH + narrowed))
+    assert cfg.api.formats == ("md", "json")
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ("[api]\nenabled = true\n", "api.tokens_file"),
     ('[api]\nlisten = "nowhere"\n', "api.listen"),

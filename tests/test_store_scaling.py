@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -122,11 +123,10 @@ def test_counts_of_a_store_from_before_the_counters(tmp_path: Path) -> None:
     before = (store.counts(), store.page_counts())
     store.close()
     conn = sqlite3.connect(state / DB_NAME)
-    for trigger in ("job_counts_insert", "job_counts_delete", "job_counts_update",
-                    "page_counts_insert", "page_counts_delete", "page_counts_update"):
-        conn.execute(f"DROP TRIGGER {trigger}")
-    conn.execute("DROP TABLE job_counts")
-    conn.execute("DROP TABLE page_counts")
+    # Back to schema 3: drop what the later migrations create (triggers and indexes first).
+    created = re.findall(r"CREATE\s+(TRIGGER|INDEX|TABLE)\s+(\w+)", "\n".join(MIGRATIONS[3:]))
+    for kind, name in sorted(created, key=lambda c: c[0] == "TABLE"):
+        conn.execute(f"DROP {kind} IF EXISTS {name}")
     conn.execute("UPDATE schema_version SET version = 3")
     conn.commit()
     conn.close()
