@@ -270,20 +270,26 @@ class Daemon:
         return self.root / "run" / "control.sock"
 
     @property
+    def folders(self) -> Path:
+        """Where the watch's inbox, output, done and failed are (hosts of one spool share
+        theirs)."""
+        return self.root
+
+    @property
     def inbox(self) -> Path:
-        return self.root / "inbox"
+        return self.folders / "inbox"
 
     @property
     def output(self) -> Path:
-        return self.root / "output"
+        return self.folders / "output"
 
     @property
     def done(self) -> Path:
-        return self.root / "done"
+        return self.folders / "done"
 
     @property
     def failed(self) -> Path:
-        return self.root / "failed"
+        return self.folders / "failed"
 
     @property
     def state_dir(self) -> Path:

@@ -50,20 +50,8 @@ class HostDaemon(Daemon):
         return text.replace("[daemon]\n", "[daemon]\n" + keys, 1)
 
     @property
-    def inbox(self) -> Path:
-        return self.shared / "inbox"
-
-    @property
-    def output(self) -> Path:
-        return self.shared / "output"
-
-    @property
-    def done(self) -> Path:
-        return self.shared / "done"
-
-    @property
-    def failed(self) -> Path:
-        return self.shared / "failed"
+    def folders(self) -> Path:
+        return self.shared
 
 
 @dataclass
