@@ -37,6 +37,7 @@ from chandrad.engine.dispatch import Dispatcher
 from chandrad.engine.flagcache import FlagVerdictCache, flag_cache_dir
 from chandrad.engine.flagcheck import FlagChecks
 from chandrad.engine.keeper import TUNED_MARK, ProfileKeeper
+from chandrad.engine.process import session_members
 from chandrad.engine.profile import (
     PIXELS_PER_IMAGE_TOKEN,
     MemoryProfile,
@@ -168,27 +169,6 @@ class PageVariants:
 
 
 # ----------------------------------------------------------------- the engine's memory
-def _tree(root: int) -> set[int]:
-    """``root`` and its descendants (from ``/proc/*/stat``)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = {root}, [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def _rss(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -203,7 +183,7 @@ def engine_memory(engine: EngineSupervisor, gpu: NvmlProbe, on_gpu: bool) -> int
     """GPU memory its processes hold (NVML), or on the CPU their resident memory."""
     if engine.pid is None:
         return None
-    pids = _tree(engine.pid)
+    pids = session_members(engine.pid)  # the API server leads its own session
     if on_gpu:
         held = gpu.memory_held_by(pids)
         return sum(held.values()) if held else None
