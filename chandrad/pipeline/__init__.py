@@ -9,6 +9,7 @@ below it in this list:
   backing-off jobs, cancel and retry, how a job's run ended;
 - ``intake``: settled files (:class:`Settled`) hashed and accepted in batches; the store's
   room (``store_full``);
+- ``waits``: why a job is not started now (back-off, hold, store wait) and until when;
 - ``jobs``: one dispatched job's life: probe, its pages, outputs, the input moved;
 - ``worker``: one page: render → slot → request → post-process → commit;
 - ``attempts``: the page's retry, charge and refit rules as decisions (pure);
@@ -24,12 +25,12 @@ from chandrad.pipeline.attempts import MAX_FREE_RELEASES, PagePolicy
 from chandrad.pipeline.content import sha256_file
 from chandrad.pipeline.intake import INTAKE_BATCH, STORE_FULL_RETRY_S, Settled
 from chandrad.pipeline.limits import RENDER_AHEAD_DIVISOR, DynamicLimiter
-from chandrad.pipeline.scheduler import (
+from chandrad.pipeline.scheduler import Pipeline
+from chandrad.pipeline.waits import (
     BACKOFF_FIRST_S,
     BACKOFF_MAX_S,
     HOLD_RETRY_FIRST,
     HOLD_RETRY_MAX,
-    Pipeline,
 )
 
 __all__ = [

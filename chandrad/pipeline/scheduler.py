@@ -7,7 +7,8 @@ watch by the watch's input folder (``Job.input_root``), never by position, so a 
 that reorders ``[[watch]]`` entries changes nothing; a job whose watch was removed is
 *held* (not started, listed in ``status``) until the watch is back or the job is cancelled.
 
-How a run ends, and what the scheduler does about it:
+How a run ends, and what the scheduler does about it (the waits and their delays are
+``chandrad.pipeline.waits``):
 
 - outputs that cannot be written for an OS condition (disk full, read-only, quota,
   permission): the job is ``held`` (``output_unwritable``), retried on its own
@@ -27,7 +28,6 @@ import errno
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -46,9 +46,10 @@ from chandrad.errors import (
 )
 from chandrad.events import Event
 from chandrad.interfaces import EngineHandle, Observer
-from chandrad.pipeline.intake import STORE_FULL_RETRY_S, Intake, Settled, StoreRoom
+from chandrad.pipeline.intake import Intake, Settled, StoreRoom
 from chandrad.pipeline.jobs import JobRunner
 from chandrad.pipeline.limits import Limits
+from chandrad.pipeline.waits import JobWaits
 from chandrad.pipeline.worker import PageWorker
 from chandrad.protocol import HeldJob, HeldStatus
 from chandrad.render import RenderPool
@@ -57,26 +58,6 @@ from chandrad.store import Job, StoreBackend
 from chandrad.tasks import cancel_and_wait
 
 log = structlog.get_logger("chandrad.pipeline")
-
-#: Back-off of a job whose run raised past its own error handling (e.g. its input could
-#: not be moved to ``failed/``): first delay, doubled each time, up to the cap.
-BACKOFF_FIRST_S = 1.0
-BACKOFF_MAX_S = 300.0
-#: Seconds before a held job (outputs unwritable) is tried again; doubles up to the max.
-HOLD_RETRY_FIRST = 5.0
-HOLD_RETRY_MAX = 60.0
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """A job whose last run raised past its own error handling, and when to retry it."""
-
-    until: float  # monotonic
-    failures: int
-    reason: str
-    file: str
-    input_root: Path | None  # the job's watch, by its input folder; None: job not found
-
 
 class Pipeline:
     """Runs accepted jobs to completion while the daemon lets it dispatch."""
@@ -100,9 +81,7 @@ class Pipeline:
         self.jobs = JobRunner(config, store, engine, render, self.worker, self._wake.set)
         self._active: dict[int, asyncio.Task[None]] = {}
         self._active_paths: dict[int, Path] = {}
-        self._backoff: dict[int, Backoff] = {}
-        self._held_retry: dict[int, tuple[float, float]] = {}  # job -> (due, delay), monotonic
-        self._store_wait: dict[int, float] = {}  # job -> retry due (monotonic): store full
+        self.waits = JobWaits()
 
     @property
     def mode(self) -> PipelineMode:
@@ -225,11 +204,8 @@ class Pipeline:
 
     def _not_due(self) -> set[int]:
         """Jobs not to start now: running, backing off, waiting for the store or held."""
-        now = time.monotonic()
-        return (set(self._active) | {i for i, b in self._backoff.items() if b.until > now}
-                | {i for i, due in self._store_wait.items() if due > now}
-                | {j.id for j in self._held_jobs()
-                   if self._held_retry.get(j.id, (0.0, 0.0))[0] > now})
+        held = (j.id for j in self._held_jobs())
+        return set(self._active) | self.waits.not_due(time.monotonic(), held)
 
     def _start_jobs(self) -> None:
         if not self._mode.starts_jobs:
@@ -280,7 +256,7 @@ class Pipeline:
         try:
             try:
                 await self.jobs.run(job, watch, started)
-                self._held_retry.pop(job.id, None)
+                self.waits.unhold(job.id)
             except (StoreFull, LeaseLost, asyncio.CancelledError):
                 raise
             except OutputUnwritable as exc:
@@ -302,24 +278,21 @@ class Pipeline:
             # Its progress could not be recorded: the job waits as the store has it (its
             # pages done are kept) and runs again once the store takes writes.
             self._room.full(exc)
-            self._store_wait[job.id] = time.monotonic() + STORE_FULL_RETRY_S
+            self.waits.wait_for_store(job.id, time.monotonic())
             return
-        if self._store_wait.pop(job.id, None) is not None:
+        if self.waits.ran(job.id):
             self._room.room()  # it recorded its outcome: the store takes writes again
-        self._backoff.pop(job.id, None)
 
     async def _fail(self, job: Job, watch: WatchConfig, code: str, message: str) -> None:
         await self.jobs.fail(job, watch, code, message)
-        self._held_retry.pop(job.id, None)
+        self.waits.unhold(job.id)
 
     def _hold(self, job: Job, exc: OutputUnwritable) -> None:
         """Outputs cannot be written for now: keep the job (and its input) and retry later.
 
         An expected OS condition: one warning line (errno, path), no traceback.
         """
-        _, delay = self._held_retry.get(job.id, (0.0, HOLD_RETRY_FIRST / 2))
-        delay = min(HOLD_RETRY_MAX, delay * 2)
-        self._held_retry[job.id] = (time.monotonic() + delay, delay)
+        delay = self.waits.hold(job.id, time.monotonic())
         self.store.set_job_state(job.id, JobState.HELD, error_code=exc.code,
                                  error_message=exc.message)
         code = exc.details.get("errno")
@@ -332,17 +305,15 @@ class Pipeline:
 
         Without this the job, still ``running``, would be dispatched again at once.
         """
-        previous = self._backoff.get(job_id)
-        failures = previous.failures + 1 if previous else 1
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1))
         reason = exc.message if isinstance(exc, ChandradError) else f"{type(exc).__name__}: {exc}"
         job = self.store.get(job_id)
-        self._backoff[job_id] = Backoff(time.monotonic() + delay, failures, names.text(reason),
-                                        names.display(job.abs_path) if job else "",
-                                        job.input_root if job else None)
+        now = time.monotonic()
+        b = self.waits.back_off(job_id, now, names.text(reason),
+                                names.display(job.abs_path) if job else "",
+                                job.input_root if job else None)
         # Our own errors carry their reason; anything else is a bug: keep its traceback.
-        log.error("job_stuck", job=job_id, failures=failures, retry_in_s=delay, error=reason,
-                  exc_info=None if isinstance(exc, ChandradError) else exc)
+        log.error("job_stuck", job=job_id, failures=b.failures, retry_in_s=b.until - now,
+                  error=reason, exc_info=None if isinstance(exc, ChandradError) else exc)
 
     # ------------------------------------------------------------ held jobs (status)
     def _held_jobs(self) -> list[Job]:
@@ -357,7 +328,7 @@ class Pipeline:
         (``output_unwritable``), or the store takes no writes (``store_full``)."""
         roots = self._watches_by_root()
         count, orphans = self.store.active_outside(list(roots))
-        backoff = self._backing_off(roots)
+        backoff = self.waits.backing_off(roots)
         now = time.monotonic()
         jobs: list[HeldJob] = [{
             "id": j.id, "file": names.display(j.abs_path), "reason": "watch_removed",
@@ -369,8 +340,7 @@ class Pipeline:
         held = self._held_waiting(roots)
         jobs += [{"id": j.id, "file": names.display(j.abs_path), "reason": j.error_code,
                   "message": j.error_message,
-                  "retry_in_s": round(max(0.0, self._held_retry.get(j.id, (now, 0.0))[0]
-                                          - now), 1)} for j in held]
+                  "retry_in_s": round(self.waits.held_retry_in(j.id, now), 1)} for j in held]
         waiting = self._store_waiting()
         error = self._room.error
         if error is not None:
@@ -387,7 +357,7 @@ class Pipeline:
         if not self.store_full:
             return {}
         out = {}
-        for job_id in self._store_wait:
+        for job_id in self.waits.store_wait:
             job = None if job_id in self._active else self.store.get(job_id)
             if job is not None:
                 out[job_id] = names.display(job.abs_path)
@@ -398,19 +368,13 @@ class Pipeline:
         listing them: for systemd's ``STATUS=``, built at every turn of the main loop."""
         roots = self._watches_by_root()
         removed, _ = self.store.active_outside(list(roots), limit=0)
-        out = {"watch_removed": removed, "backoff": len(self._backing_off(roots))}
+        out = {"watch_removed": removed, "backoff": len(self.waits.backing_off(roots))}
         for j in self._held_waiting(roots):
             reason = j.error_code or JobState.HELD.value
             out[reason] = out.get(reason, 0) + 1
         out[self._room.error.code if self._room.error else StoreFull.code] = len(
             self._store_waiting())
         return {reason: n for reason, n in out.items() if n}
-
-    def _backing_off(self, roots: Mapping[Path, WatchConfig]) -> dict[int, Backoff]:
-        """Jobs backing off whose watch is configured; one whose watch was removed is
-        counted as ``watch_removed`` instead (once, not under both reasons)."""
-        return {i: b for i, b in self._backoff.items()
-                if b.input_root is None or b.input_root in roots}
 
     def _held_waiting(self, roots: Mapping[Path, WatchConfig]) -> list[Job]:
         """Jobs in the ``held`` state waiting for their retry (not being retried now);
@@ -466,8 +430,7 @@ class Pipeline:
             for page in self.store.pages(job_id):  # pages are that host's to release
                 if page.state is PageState.IN_FLIGHT:
                     self.store.release_page(job_id, page.index)
-        self._backoff.pop(job_id, None)
-        self._held_retry.pop(job_id, None)
+        self.waits.forget(job_id)
         job = self.store.get(job_id)
         if job is None or not self.store.cancel(job_id):
             return False
@@ -493,6 +456,6 @@ class Pipeline:
             with contextlib.suppress(FileNotFoundError):
                 error_json.unlink()
         ok = self.store.retry(job.id)
-        self._held_retry.pop(job.id, None)
+        self.waits.unhold(job.id)
         self._wake.set()
         return ok
