@@ -42,6 +42,12 @@ ROOT = TESTS.parent
 P99_BUDGET_S = 0.36
 #: The server's read timeout in these tests (the daemon's default is 30 s).
 READ_TIMEOUT_S = 3.0
+#: Connections accepted but not yet released while they are refused: asyncio accepts up
+#: to the backlog per turn of the loop, and a refused connection's descriptor is closed a
+#: few turns after its accept (its transport is made in a task, then the client task
+#: writes ``busy`` and closes, then the close runs), so the next batch can arrive before
+#: the last is released. Two batches: seen 157 above idle with 16 held (one batch is 144).
+IN_FLIGHT_REFUSALS = 2 * LISTEN_BACKLOG
 
 SERVER = r"""
 import json, os, resource, sys
@@ -287,9 +293,9 @@ def test_thousand_silent_connections_do_not_starve_status(server: Server) -> Non
            f"{P99_BUDGET_S * 1000:.0f} ms); server fds {idle_fds} → {held_fds}",
            lost="-", twice="-", serving_s="0 (never stopped)", engine="-")
     assert during["p99_ms"] < P99_BUDGET_S * 1000, during
-    # Bounded by the limits (16 places for the one flooding process, plus at most one
-    # accept batch being answered busy), not by the flood's 1,000 connections.
-    assert held_fds <= idle_fds + 16 + LISTEN_BACKLOG + 4, (idle_fds, held_fds)
+    # Bounded by the limits (16 places for the one flooding process, plus the accept
+    # batches being answered busy), not by the flood's 1,000 connections.
+    assert held_fds <= idle_fds + 16 + IN_FLIGHT_REFUSALS + 4, (idle_fds, held_fds)
     assert result["replies"].get("busy", 0) > 0, result  # refusals come with a reason
     stats = server.stop()
     assert stats["calls"] >= 350
@@ -316,9 +322,9 @@ def test_many_silent_processes_share_the_global_limit(server: Server) -> None:
     print(f"8 x 16 silent connections: status {during}; server fds idle {idle_fds}, "
           f"during {held_fds}; busy replies {busy}")
     assert during["p99_ms"] < P99_BUDGET_S * 1000, during
-    # The 64 places, plus at most one accept batch: each newcomer of a batch closes a
-    # victim, whose descriptor the loop releases on its next turn.
-    assert held_fds <= idle_fds + 64 + LISTEN_BACKLOG + 4, (idle_fds, held_fds)
+    # The 64 places, plus the accept batches in flight: each newcomer of a batch closes a
+    # victim, whose descriptor the loop releases a turn later.
+    assert held_fds <= idle_fds + 64 + IN_FLIGHT_REFUSALS + 4, (idle_fds, held_fds)
     assert busy >= 64, results
     server.stop()
     assert server.events("control_connection_limit")[0]["evicted_idle"] >= 1
