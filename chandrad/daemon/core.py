@@ -137,16 +137,20 @@ class Daemon:
 
     # ------------------------------------------------------------ serve
     async def serve(self) -> int:
-        """Run until stopped. Returns the exit code."""
-        await self._startup()
+        """Run until stopped. Returns the exit code. A start-up that fails part-way is
+        stopped by the same shutdown (each part it had started, in order; a part it did not
+        get to is skipped), then its exception is raised for ``cli.py`` to map."""
         try:
+            await self._startup()
             await self._main_loop()
         except ChandradError as exc:
             # cli.py maps the exception to the process status; daemon_stopped must say the same.
             self.lifecycle.set_exit_code(exc.exit_code)
+            self._log_startup_failure(exc.code, exc.message)
             raise
-        except Exception:
+        except Exception as exc:
             self.lifecycle.set_exit_code(ExitCode.SOFTWARE)
+            self._log_startup_failure("internal_error", repr(exc))
             raise
         finally:
             if self.api is not None:  # no new request; those in progress are answered
@@ -158,6 +162,11 @@ class Daemon:
                            pipeline=self.pipeline, engines=self.engines, store=self.store,
                            render=self.render).run()
         return int(self.lifecycle.exit_code)
+
+    def _log_startup_failure(self, code: str, error: str) -> None:
+        if self.lifecycle.state is DaemonState.STARTING:
+            log.error("startup_failed", code=code, error=error,
+                      reason="stopping what start-up started, then exiting")
 
     async def _main_loop(self) -> None:
         reloader, controls = self.reloader, self.controls
