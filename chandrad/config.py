@@ -250,6 +250,10 @@ class ApiConfig:
     duplicates: str = "process"
     #: Seconds a webhook is retried before it is given up (``webhook_undeliverable``).
     webhook_deadline: float = 86400.0
+    #: Where uploads and their outputs are kept (``inbox/``, ``output/``, ``done/``,
+    #: ``failed/``, ``tmp/``); unset: ``<state_dir>/api``. Required with a PostgreSQL
+    #: store: a folder every host mounts at the same path.
+    folder: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -264,13 +268,13 @@ class Config:
     api: ApiConfig = ApiConfig()
 
     def api_watch(self) -> WatchConfig | None:
-        """The folders of the API's uploads, inside the state dir (``<state_dir>/api/``),
+        """The folders of the API's uploads (``api.folder``, else ``<state_dir>/api/``),
         as the pipeline sees a watch: the input ``inbox`` (never watched: an upload is
         accepted by the API itself), ``output``, ``done``, ``failed``. None when the API
         is off."""
         if not self.api.enabled:
             return None
-        root = self.daemon.state_dir / "api"
+        root = self.api.folder or self.daemon.state_dir / "api"
         return WatchConfig(input=root / "inbox", output=root / "output", done=root / "done",
                            failed=root / "failed", duplicates=self.api.duplicates)
 
@@ -476,6 +480,7 @@ def parse_config(text: str, path: Path) -> Config:
     metrics = _metrics(reader(raw.get("metrics", {}), "metrics"))
     api = _api(reader(raw.get("api", {}), "api"), base, ocr, daemon)
     _cross_checks(watches, problems, loc, file)
+    _api_folder_check(api, watches, problems, loc, file)
     if problems:
         raise ConfigError(problems)
     return Config(path=path, daemon=daemon, watch=tuple(watches), ocr=ocr, engine=engine,
@@ -819,10 +824,12 @@ def _api(r: _Reader, base: Path, ocr: OcrConfig, daemon: DaemonConfig) -> ApiCon
         callback_hosts=hosts,
         duplicates=r.choice("duplicates", d.duplicates, DUPLICATE_POLICIES),
         webhook_deadline=r.number("webhook_deadline", d.webhook_deadline, 1, 30 * 86400),
+        folder=r.path("folder", d.folder, base),
     )
-    if enabled and daemon.store_url:
-        r.problem("enabled", "the HTTP API keeps job owners and webhooks in the SQLite "
-                  "store; daemon.store names a PostgreSQL one")
+    if enabled and daemon.store_url and cfg.folder is None:
+        r.problem("folder", "required when api.enabled with a PostgreSQL daemon.store: "
+                  "the uploads' folder every host mounts at the same path, so that any "
+                  "host runs an API job and serves its outputs")
     if enabled and cfg.tokens_file is None:
         r.problem("tokens_file", "required when api.enabled: the file of API tokens")
     if cfg.callback_url and cfg.webhook_secret_file is None:
@@ -855,6 +862,23 @@ def _covers(root: Path, recursive: bool, target: Path) -> bool:
     """Whether a watch on ``root`` sees ``target``: equal, or below it when recursive
     (a subfolder of a non-recursive watch is never scanned)."""
     return target == root or (recursive and root in target.parents)
+
+
+def _api_folder_check(api: ApiConfig, watches: list[WatchConfig],
+                      problems: list[ConfigProblem], loc: _Locator, file: str) -> None:
+    """Refuse an ``api.folder`` that a watch would see (its uploads and outputs taken as
+    new input) or that holds a watch's input (the API's files would be that watch's)."""
+    if not api.enabled or api.folder is None:
+        return
+    folder = api.folder.resolve()
+    for i, w in enumerate(watches):
+        root = w.input.resolve()
+        if _covers(root, w.recursive, folder) or folder in root.parents or folder == root:
+            problems.append(ConfigProblem(
+                "api.folder", f"{folder} overlaps watch[{i}].input {root}: uploads and "
+                "their outputs would be taken as new input. Put it beside the watched "
+                "folders", file, loc.line("api.folder"), "config_range"))
+            return
 
 
 def _cross_checks(

@@ -112,6 +112,8 @@ class Receiver:
     deliveries: list[Delivery] = field(default_factory=list)
     server: http.server.ThreadingHTTPServer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Seconds each answer waits (a slow receiver: a delivery still in progress).
+    delay_s: float = 0.0
 
     @property
     def url(self) -> str:
@@ -133,6 +135,7 @@ class Receiver:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                time.sleep(receiver.delay_s)
                 with receiver.lock:
                     status = receiver.script.pop(0) if receiver.script else 200
                     receiver.deliveries.append(Delivery(dict(self.headers), body, status))
@@ -147,8 +150,9 @@ class Receiver:
 
 
 @contextmanager
-def receiving(script: list[int] | None = None, port: int = 0) -> Iterator[Receiver]:
-    receiver = Receiver(list(script or []))
+def receiving(script: list[int] | None = None, port: int = 0,
+              delay_s: float = 0.0) -> Iterator[Receiver]:
+    receiver = Receiver(list(script or []), delay_s=delay_s)
     receiver.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), receiver.handler())
     thread = threading.Thread(target=receiver.server.serve_forever, daemon=True)
     thread.start()

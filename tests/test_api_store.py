@@ -1,8 +1,10 @@
-"""The HTTP API's tables and secrets, on a real SQLite store and real files.
+"""The HTTP API's tables and secrets, on real stores (SQLite, and PostgreSQL on the
+session's real server, tests/pg_server.py) and real files.
 
 ``store/api.py``: a job and its owner are one transaction; the outbox row is written by
 the trigger in the transaction that ends an API job with a callback (done, partial,
-failed; not cancelled, not a watched file's job); queue positions; attempts and giving up.
+failed; not cancelled, not a watched file's job); queue positions; attempts and giving up;
+on a shared store, each due webhook claimed by one host's sender only.
 ``api/tokens.py``: a tokens or key file others may read, or a malformed one, is a config
 error naming the key (exit 78).
 """
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pg_server import PgServer
 
 from chandrad.api.tokens import load_secret, load_tokens
 from chandrad.api.uploads import UploadDir, safe_filename
@@ -22,20 +26,26 @@ from chandrad.api.webhooks import backoff, sign
 from chandrad.config import parse_config
 from chandrad.errors import ConfigError, ExitCode, InternalError
 from chandrad.states import JobState
-from chandrad.store import Store
+from chandrad.store import Store, StoreBackend
 from chandrad.store.api import ApiTable
+from chandrad.store.postgres import PgStore
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(tmp_path / "state")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """The store of each backend: SQLite in a state dir, PostgreSQL in a fresh database."""
+    s: Store | PgStore
+    if request.param == "sqlite":
+        s = Store.open(tmp_path / "state")
+    else:
+        s = PgStore.open(request.getfixturevalue("pg_server").new_database(), "host-a")
     try:
-        yield s
+        yield s  # type: ignore[misc]  # both keep StoreBackend; the tests read it as Store
     finally:
         s.close()
 
 
-def _accept(store: Store, table: ApiTable, root: Path, name: str, sha: str,
+def _accept(store: StoreBackend, table: ApiTable, root: Path, name: str, sha: str,
             callback: str | None = "http://127.0.0.1:9/hook", owner: str = "alice") -> int:
     job = table.accept(lambda: store.accept(-1, root, root / name, 1, 1.0, sha),
                        owner, ("md",), callback)
@@ -43,7 +53,7 @@ def _accept(store: Store, table: ApiTable, root: Path, name: str, sha: str,
     return job.id
 
 
-def _finish(store: Store, job_id: int, state: JobState) -> None:
+def _finish(store: StoreBackend, job_id: int, state: JobState) -> None:
     store.set_job_state(job_id, JobState.RUNNING)
     store.set_job_state(job_id, state)
 
@@ -115,6 +125,49 @@ def test_attempts_backoff_and_giving_up(store: Store, tmp_path: Path) -> None:
     assert [backoff(n) for n in (1, 2, 3, 20)] == [1.0, 2.0, 4.0, 300.0]
     mac = hmac.new(b"k", b"5.{}", hashlib.sha256).hexdigest()
     assert sign(b"k", b"{}", 5) == f"t=5,v1={mac}"
+
+
+def test_hosts_sharing_the_outbox_each_claim_other_webhooks(pg_server: PgServer,
+                                                            tmp_path: Path) -> None:
+    """Two hosts' senders on one PostgreSQL outbox, polling at the same moment: every due
+    webhook goes to exactly one of them (FOR UPDATE SKIP LOCKED, then held); one claimed by
+    a host that never reports an outcome (it died mid-attempt) is due again after the
+    hold, with its frozen body, so it is still delivered."""
+    url = pg_server.new_database()
+    a, b = PgStore.open(url, "host-a"), PgStore.open(url, "host-b")
+    try:
+        ta, tb = ApiTable.of(a), ApiTable.of(b)
+        root = tmp_path / "inbox"
+        ids = [_accept(a, ta, root, f"{i}.pdf", f"{i:064d}") for i in range(24)]
+        for job_id in ids:
+            _finish(a, job_id, JobState.DONE)
+        start = threading.Barrier(2)
+        got: dict[str, list[int]] = {"a": [], "b": []}
+
+        def claim(name: str, table: ApiTable) -> None:
+            start.wait()
+            while items := table.due(now=2e9, limit=3, hold_s=100.0):
+                got[name] += [i.job_id for i in items]
+                for item in items:
+                    table.delivered(item.id)
+
+        threads = [threading.Thread(target=claim, args=x) for x in (("a", ta), ("b", tb))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(got["a"] + got["b"]) == ids and got["a"] and got["b"], got
+        assert ta.outbox_counts() == {"pending": 0, "delivered": 24, "undeliverable": 0}
+        # A claim whose host died: held for hold_s, then due again for any host.
+        _finish(a, _accept(a, ta, root, "late.pdf", "f" * 64), JobState.DONE)
+        [item] = ta.due(now=2e9, hold_s=100.0)
+        ta.freeze_body(item.id, '{"n": 1}')
+        assert tb.due(now=2e9 + 99) == []
+        [again] = tb.due(now=2e9 + 101)
+        assert (again.id, again.body) == (item.id, '{"n": 1}')
+    finally:
+        a.close()
+        b.close()
 
 
 def _config(tmp_path: Path, tokens: str, mode: int, secret: str | None = None) -> Path:

@@ -538,7 +538,8 @@ def test_shipped_config_every_key_has_a_comment() -> None:
 
 
 # ----------------------------------------------------------------------------- [api]
-def test_api_is_off_by_default_and_its_folders_live_in_the_state_dir(tmp_path: Path) -> None:
+def test_api_is_off_by_default_and_its_folders_live_in_the_state_dir_or_api_folder(
+        tmp_path: Path) -> None:
     cfg = config.load_config(_write(tmp_path, WATCH))
     assert not cfg.api.enabled and cfg.api_watch() is None
     on = config.load_config(_write(tmp_path, WATCH + '[daemon]\nstate_dir = "/srv/st"\n'
@@ -547,6 +548,11 @@ def test_api_is_off_by_default_and_its_folders_live_in_the_state_dir(tmp_path: P
     watch = on.api_watch()
     assert watch is not None and watch.input == Path("/srv/st/api/inbox")
     assert watch.output == Path("/srv/st/api/output")
+    shared = config.load_config(_write(tmp_path, WATCH + '[daemon]\nstore = '
+                                       '"postgresql://db/chandrad"\n[api]\nenabled = true\n'
+                                       'tokens_file = "tok"\nfolder = "/spool/api"\n'))
+    watch = shared.api_watch()
+    assert watch is not None and watch.input == Path("/spool/api/inbox")
 
 
 def test_api_callback_hosts_default_to_the_callback_urls_host(tmp_path: Path) -> None:
@@ -581,7 +587,8 @@ def test_api_formats_unset_follow_what_the_pipeline_writes(tmp_path: Path) -> No
     ('[api]\ncallback_hosts = "x.example"\n', "api.callback_hosts"),
     ("[api]\ntoken = 1\n", "api.token"),
     ('[daemon]\nstore = "postgresql://db/chandrad"\n[api]\nenabled = true\n'
-     'tokens_file = "t"\n', "api.enabled"),
+     'tokens_file = "t"\n', "api.folder"),
+    ('[api]\nenabled = true\ntokens_file = "t"\nfolder = "/srv"\n', "api.folder"),
 ])
 def test_api_problems_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     problem = _one(tmp_path, WATCH + text)

@@ -1,7 +1,8 @@
 """The API's server: uvicorn inside the daemon's own event loop, and the webhook sender.
 
 :meth:`ApiServer.start` reads the tokens and the webhook key (a problem is a config error
-naming the key: exit 78), prepares ``<state_dir>/api/`` and binds ``api.listen`` (an
+naming the key: exit 78), prepares the uploads' folder (``api.folder``, else
+``<state_dir>/api/``) and binds ``api.listen`` (an
 address this host cannot listen on is a config error too). uvicorn's ``Server.serve``
 installs its own SIGINT/SIGTERM handlers with ``signal.signal``, which would take the
 signals from the daemon's command queue; so the server is driven by its parts (``startup``,
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -28,6 +31,10 @@ from chandrad.protocol import ApiStatus
 from chandrad.store import StoreBackend
 
 log = structlog.get_logger("chandrad.api")
+
+#: On a shared store, an upload folder in the inbox that no open job holds is removed at
+#: start only when older than this (another host renames and accepts in milliseconds).
+SHARED_ORPHAN_AGE_S = 3600.0
 
 #: Connections served at once; more are answered 503 by uvicorn.
 MAX_CONNECTIONS = 64
@@ -61,11 +68,14 @@ class ApiServer:
         assert watch is not None, "ApiServer started with [api] off"
         tokens = load_tokens(cfg)
         secret = load_secret(cfg)
-        uploads = UploadDir(watch.input, cfg.daemon.state_dir / "api" / "tmp")
+        uploads = UploadDir(watch.input, self._tmp())
         for folder in (watch.output, watch.done, watch.failed):
             folder.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(uploads.prepare)
-        for orphan in uploads.sweep(lambda path: self.store.find_active(path) is not None):
+        # A shared inbox: another host may be between its rename and its accept now.
+        older = time.time() - SHARED_ORPHAN_AGE_S if cfg.daemon.store_url else None
+        for orphan in uploads.sweep(lambda path: self.store.find_active(path) is not None,
+                                    older):
             log.warning("api_upload_orphan_removed", file=str(orphan),
                         reason="renamed into the inbox, never accepted (no 202 was sent)")
         self.sender = WebhookSender(self.store, secret, cfg.api.webhook_deadline)
@@ -85,6 +95,14 @@ class ApiServer:
         self.address = f"{host}:{port}"
         log.info("api_listening", listen=self.address, tokens=len(tokens),
                  webhooks=secret is not None)
+
+    def _tmp(self) -> Path:
+        """Where uploads arrive: ``<state_dir>/api/tmp``, or ``<api.folder>/tmp/<host id>``
+        (the inbox's filesystem, for the rename; each host clears only its own at start)."""
+        cfg = self.config
+        if cfg.api.folder is None:
+            return cfg.daemon.state_dir / "api" / "tmp"
+        return cfg.api.folder / "tmp" / (cfg.daemon.host_id or socket.gethostname())
 
     def _bind(self) -> socket.socket:
         host, port = listen_address(self.config.api.listen)

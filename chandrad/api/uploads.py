@@ -1,4 +1,4 @@
-"""Uploads on disk: received into ``<state_dir>/api/tmp/``, then placed in the API's inbox.
+"""Uploads on disk: received into the API's ``tmp/``, then placed in its inbox.
 
 An upload is kept as a watched file is: its bytes go to a temporary file (hashed and
 counted as they arrive, refused past ``api.max_upload``), which is fsynced, renamed to
@@ -75,12 +75,17 @@ class UploadDir:
             with contextlib.suppress(OSError):
                 leftover.unlink()
 
-    def sweep(self, accepted: Callable[[Path], bool]) -> list[Path]:
+    def sweep(self, accepted: Callable[[Path], bool],
+              older_than: float | None = None) -> list[Path]:
         """Remove the uploads a stopped daemon renamed into the inbox but never accepted
-        (``accepted(path)`` false: no open job has it); they were never answered 202."""
+        (``accepted(path)`` false: no open job has it); they were never answered 202.
+        ``older_than`` (a shared inbox, where another host may be between its rename and
+        its accept now): only upload folders last changed before that wall-clock time."""
         root = Path(os.path.realpath(self.inbox))
         gone = []
         for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            if older_than is not None and _changed_at(folder) >= older_than:
+                continue
             files = [f for f in folder.iterdir() if f.is_file()]
             if files and any(accepted(f) for f in files):
                 continue
@@ -141,3 +146,11 @@ class UploadDir:
             placed.path.unlink()
         with contextlib.suppress(OSError):
             placed.path.parent.rmdir()
+
+
+def _changed_at(path: Path) -> float:
+    """``path``'s last change (its mtime); infinity when it cannot be read (gone)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")

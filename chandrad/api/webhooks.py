@@ -9,7 +9,9 @@ v1=<hex HMAC-SHA256 of "<t>.<body>">`` keyed by ``api.webhook_secret_file``. An 
 other than 2xx, or none within :data:`TIMEOUT_S`, is retried with exponential backoff
 (:data:`BACKOFF_FIRST_S` doubling to :data:`BACKOFF_MAX_S`) until ``api.webhook_deadline``
 after the outcome; then it is given up: logged ``webhook_undeliverable``, counted, listed
-in ``status``.
+in ``status``. On a shared (PostgreSQL) store every host with ``[api]`` on runs a sender;
+each claims the rows it sends (``ApiTable.due``), so a webhook goes out once cluster-wide,
+not once per host.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ BACKOFF_MAX_S = 300.0
 TIMEOUT_S = 10.0
 #: Seconds between two looks at the outbox when nothing is due sooner.
 POLL_S = 0.5
+#: Webhooks taken from the outbox at once, and the seconds they stay this sender's (on a
+#: shared store no other host sends them meanwhile): time for each to use its whole
+#: timeout, and a margin.
+BATCH = 4
+HOLD_S = BATCH * TIMEOUT_S + 20.0
 SIGNATURE_HEADER = "Chandrad-Signature"
 
 
@@ -90,7 +97,7 @@ class WebhookSender:
         """Deliver due webhooks until cancelled."""
         async with httpx.AsyncClient(timeout=TIMEOUT_S, follow_redirects=False) as client:
             while True:
-                due = self.table.due(time.time())
+                due = self.table.due(time.time(), BATCH, HOLD_S)
                 for item in due:
                     await self._attempt(client, item)
                 if not due:

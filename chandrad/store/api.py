@@ -6,6 +6,14 @@ A job uploaded through the API is accepted with ``jobs``' own ``accept`` and its
 by the schema's ``webhook_on_finish`` trigger in the transaction that ends such a job
 (``done``, ``partial``, ``failed``); the sender (``chandrad.api.webhooks``) reads the due
 ones and records each attempt here.
+
+The same SQL runs on both backends (SQLite's migration 6, PostgreSQL's 3). On PostgreSQL
+every host with ``[api]`` on runs a sender against the one outbox, so :meth:`ApiTable.due`
+claims what it returns: the due rows are taken ``FOR UPDATE SKIP LOCKED`` (two hosts
+polling together never get the same row) and their ``next_at`` moved ``hold_s`` ahead, past
+the claiming host's attempts; the attempt's outcome sets it again. A host that dies
+mid-attempt leaves its rows due again after ``hold_s``: delivery stays at least once, with
+the same body and idempotency key, and never once per host.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chandrad.store.database import Database
+from chandrad.store.database import SqlDatabase
 from chandrad.store.records import Job
 
 
@@ -46,13 +54,13 @@ class OutboxItem:
 class ApiTable:
     """``api_jobs`` and ``webhook_outbox`` on the store's connection."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: SqlDatabase) -> None:
         self._db = db
 
     @classmethod
     def of(cls, store: Any) -> ApiTable:
-        """The API's tables of an open SQLite ``Store`` (the same connection, so that a
-        job and its owner are one transaction)."""
+        """The API's tables of an open store, SQLite ``Store`` or ``PgStore`` (the same
+        connection, so that a job and its owner are one transaction)."""
         return cls(store._db)
 
     # -- jobs ------------------------------------------------------------------------
@@ -115,13 +123,25 @@ class ApiTable:
         return {job_id: rank for rank, job_id in enumerate(pending) if job_id in wanted}
 
     # -- the webhook outbox ----------------------------------------------------------
-    def due(self, now: float, limit: int = 50) -> list[OutboxItem]:
-        """Webhooks due now (neither delivered nor given up), oldest first."""
-        rows = self._db.conn.execute(
-            "SELECT o.id, o.job_id, o.state, o.created_at, o.attempts, o.body, a.callback_url "
-            "FROM webhook_outbox o LEFT JOIN api_jobs a ON a.job_id = o.job_id "
-            "WHERE o.delivered_at IS NULL AND o.given_up_at IS NULL AND o.next_at <= ? "
-            "ORDER BY o.next_at, o.id LIMIT ?", (now, limit)).fetchall()
+    def due(self, now: float, limit: int = 50, hold_s: float = 60.0) -> list[OutboxItem]:
+        """Webhooks due now (neither delivered nor given up), oldest first. On a shared
+        (PostgreSQL) store they are claimed for this sender: no other host gets them for
+        ``hold_s`` seconds, unless an attempt's outcome (:meth:`delivered`,
+        :meth:`failed`) comes first."""
+        if self._db.dialect == "sqlite":  # one daemon per store: nothing to claim
+            rows = self._db.conn.execute(
+                f"SELECT {_ITEM} FROM webhook_outbox o LEFT JOIN api_jobs a ON "
+                "a.job_id = o.job_id WHERE o.delivered_at IS NULL AND o.given_up_at IS NULL "
+                "AND o.next_at <= ? ORDER BY o.next_at, o.id LIMIT ?", (now, limit)).fetchall()
+            return [OutboxItem(*r) for r in rows]
+        with self._db.tx() as c:
+            rows = c.execute(
+                "WITH c AS (SELECT id, next_at FROM webhook_outbox WHERE delivered_at IS NULL "
+                "AND given_up_at IS NULL AND next_at <= ? ORDER BY next_at, id LIMIT ? "
+                "FOR UPDATE SKIP LOCKED), claimed AS (UPDATE webhook_outbox o SET next_at = ? "
+                "FROM c WHERE o.id = c.id RETURNING o.*, c.next_at AS was) "
+                f"SELECT {_ITEM} FROM claimed o LEFT JOIN api_jobs a ON a.job_id = o.job_id "
+                "ORDER BY o.was, o.id", (now, limit, now + hold_s)).fetchall()
         return [OutboxItem(*r) for r in rows]
 
     def next_due(self) -> float | None:
@@ -171,6 +191,10 @@ class ApiTable:
             (limit,)).fetchall()
         return [{"job": r[0], "state": r[1], "attempts": r[2], "error": r[3],
                  "given_up_at": r[4]} for r in rows]
+
+
+#: An outbox row as :class:`OutboxItem`, over ``webhook_outbox o`` joined with ``api_jobs a``.
+_ITEM = "o.id, o.job_id, o.state, o.created_at, o.attempts, o.body, a.callback_url"
 
 
 def _api_job(row: tuple[Any, ...]) -> ApiJob:
