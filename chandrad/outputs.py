@@ -39,6 +39,8 @@ import os
 import re
 import secrets
 import shutil
+import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,53 @@ def fsync_dir(directory: Path) -> None:
 def _temp_name(path: Path) -> Path:
     hex8 = secrets.token_hex(4)
     return path.with_name(names.fit(f".{path.name}", f".{hex8}.tmp"))
+
+
+#: The end of every :func:`_temp_name`: ``.<8 hex>.tmp``.
+_TEMP_TAIL = re.compile(r"\.[0-9a-f]{8}\.tmp")
+_TEMP_TAIL_LEN = len(".00000000.tmp")
+
+
+def _temp_heads(claimed: Iterable[str]) -> set[str]:
+    """What :func:`_temp_name` puts before ``.<8 hex>.tmp`` for each file of ``claimed``
+    and for the claim file (``.<name>``, shortened by ``names.fit`` as it shortens it)."""
+    tail = "." + "0" * 8 + ".tmp"
+    return {names.fit(f".{name}", tail)[:-_TEMP_TAIL_LEN]
+            for name in (*claimed, CLAIM_FILE) if name and "/" not in name}
+
+
+def _is_write_temp(name: str, heads: set[str]) -> bool:
+    return (name[:-_TEMP_TAIL_LEN] in heads
+            and _TEMP_TAIL.fullmatch(name[-_TEMP_TAIL_LEN:]) is not None)
+
+
+def _remove_old_file(path: Path, older_than: float | None) -> bool:
+    """Unlink ``path`` if it is a file (not a link or a folder) modified before
+    ``older_than`` (any time when None); whether it was removed."""
+    with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if older_than is not None and st.st_mtime >= older_than:
+            return False
+        path.unlink()
+        return True
+    return False
+
+
+def remove_write_temps(directory: Path, claimed: Iterable[str], *,
+                       older_than: float | None = None) -> list[Path]:
+    """Remove from ``directory`` the temp files of atomic writes a kill cut short: only
+    the names :func:`atomic_write` gives the files of ``claimed`` (a claim's ``files``)
+    and the claim file itself, ``.<name>.<8 hex>.tmp``; any other file stays.
+    ``older_than`` (a time): only those modified before it. The paths removed."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    heads = _temp_heads(claimed)
+    return [directory / name for name in entries
+            if _is_write_temp(name, heads) and _remove_old_file(directory / name, older_than)]
 
 
 def output_error(message: str, exc: OSError, path: Path) -> OutputError:
@@ -348,6 +397,8 @@ def write_document(
     }
     all_names = [*files, metadata_name]
     claim = {"source": source, "source_sha256": sha, "files": all_names}
+    if previous is not None:  # a rewrite: what a killed write of this document left
+        remove_write_temps(target, [*all_names, *map(str, previous.get("files", []))])
     written: list[Path] = []
     try:
         atomic_write(target / CLAIM_FILE, _json_bytes(claim))
@@ -393,22 +444,23 @@ def made_file(out_dir: Path, name: str) -> Path:
 _MADE_TEMP = re.compile(r"\..*(\.pdf|~[0-9a-f]{8})\.[0-9a-f]{8}\.tmp", re.DOTALL)
 
 
-def remove_made_leftovers(output_root: Path, *, older_than: float | None = None) -> list[Path]:
-    """Remove the :func:`made_file` temp files a killed daemon left under ``output_root``
-    (a render worker was writing ``<stem>.pdf``); run at start, before any job writes.
-    Only files of that naming go; ``older_than`` (a time): only those modified before it
-    (on a shared store another host may be writing one now). The paths removed."""
+def remove_leftovers(output_root: Path, *, older_than: float | None = None) -> list[Path]:
+    """Remove the temp files a killed daemon left under ``output_root``, run at start
+    before any job writes: :func:`made_file`'s beside the document folders (a render
+    worker was writing ``<stem>.pdf``), and in each document folder those of an atomic
+    write cut short (:func:`remove_write_temps`: the files its claim lists, and the
+    claim's own). Only files of those namings go; ``older_than`` (a time): only those
+    modified before it (on a shared store another host may be writing one now). The
+    paths removed."""
     removed: list[Path] = []
     for directory, _dirs, files in os.walk(output_root):
+        folder = Path(directory)
+        claim = _read_claim(folder) if CLAIM_FILE in files else None
+        heads = _temp_heads(map(str, claim.get("files", [])) if claim else ())
         for name in files:
-            if not _MADE_TEMP.fullmatch(name):
-                continue
-            path = Path(directory) / name
-            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                if older_than is not None and path.lstat().st_mtime >= older_than:
-                    continue
-                path.unlink()
-                removed.append(path)
+            if ((_MADE_TEMP.fullmatch(name) or _is_write_temp(name, heads))
+                    and _remove_old_file(folder / name, older_than)):
+                removed.append(folder / name)
     return removed
 
 

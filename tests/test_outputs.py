@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from conftest import CORPUS_DIR
 from faults.faultkit import Daemon, free_port, standin_engine
 from PIL import Image
 
-from chandrad import errors
+from chandrad import errors, names
 from chandrad.ocr import parse_page
 from chandrad.outputs import (
     CLAIM_FILE,
@@ -27,7 +28,7 @@ from chandrad.outputs import (
     made_file,
     move_to,
     output_dir_for,
-    remove_made_leftovers,
+    remove_leftovers,
     write_document,
     write_error_json,
 )
@@ -183,6 +184,62 @@ def test_dir_left_by_a_write_killed_before_its_claim_is_taken_back(
     assert {p.parent for p in written} == {tmp_path / "fax"}
     assert not (tmp_path / "fax (1)").exists()
     assert not leftover.exists()
+
+
+def _plant_write_leftovers(folder: Path,
+                           names_cut_short: list[str]) -> tuple[list[Path], list[Path]]:
+    """A kill inside :func:`write_document` after its claim landed: the files in
+    ``names_cut_short`` are gone and their atomic writes' temp files are left (the names
+    ``atomic_write`` gives them, a long one shortened as ``names.fit`` shortens it), with a
+    claim's own; beside them an operator's files of other names. (ours, others)"""
+    ours = [folder / names.fit(f".{name}", f".{secrets.token_hex(4)}.tmp")
+            for name in [*names_cut_short, CLAIM_FILE]]
+    for name in names_cut_short:
+        (folder / name).unlink()
+    others = [folder / "notes.txt", folder / ".fax.md.tmp", folder / ".fax.md.0A1B2C3D.tmp",
+              folder / ".other.md.0a1b2c3d.tmp", folder / "fax.md.0a1b2c3d.tmp",
+              folder / ".fax.md.0a1b2c3d.tmp.bak"]
+    for path in ours + others:
+        path.write_bytes(b"cut short by the kill")
+    return ours, others
+
+
+def test_rewrite_removes_the_temp_files_of_a_write_a_kill_cut_short(
+        tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """The rewrite after the kill removes exactly its own temp files and the document is
+    complete again; the operator's files of other names stay."""
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
+    folder = tmp_path / "fax"
+    written = write_document(folder, "fax", fax_pages, _metadata(source), FORMATS)
+    image = next(p.name for p in written if p.suffix == ".webp")
+    ours, others = _plant_write_leftovers(
+        folder, ["fax.html", "fax.json", image, "fax_metadata.json"])
+    assert write_document(folder, "fax", fax_pages, _metadata(source), FORMATS) == written
+    assert [p.name for p in ours if p.exists()] == []
+    assert all(p.exists() for p in others)
+    claim = json.loads((folder / CLAIM_FILE).read_text())
+    assert all((folder / name).is_file() for name in claim["files"])
+
+
+def test_start_sweep_removes_write_temps_only_in_document_folders(
+        tmp_path: Path, fax_pages: list[PageOutput]) -> None:
+    """The start's sweep (:func:`remove_leftovers`): in a document's folder the temp files
+    of the names its claim lists (a long stem's shortened ones too); in a folder chandrad
+    did not claim nothing of those names, only a claim's own temp file."""
+    source = CORPUS_DIR / "good/image_multipage-fax-g3_3p.tif"
+    stem = "é" * 120
+    folder = tmp_path / "sub" / stem
+    write_document(folder, stem, fax_pages, _metadata(source), FORMATS)
+    ours, others = _plant_write_leftovers(folder, [f"{stem}.md", f"{stem}_metadata.json"])
+    assert any("~" in p.name for p in ours)  # shortened to fit NAME_MAX
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    kept = [foreign / ".fax.md.0a1b2c3d.tmp", foreign / ".fax_metadata.json.0a1b2c3d.tmp"]
+    dead_claim = foreign / f".{CLAIM_FILE}.0a1b2c3d.tmp"
+    for path in (*kept, dead_claim):
+        path.write_bytes(b"x")
+    assert sorted(remove_leftovers(tmp_path)) == sorted([*ours, dead_claim])
+    assert all(p.exists() for p in (*others, *kept))
 
 
 def test_foreign_dir_is_not_touched(tmp_path: Path, fax_pages: list[PageOutput]) -> None:
@@ -394,8 +451,8 @@ def test_searchable_pdf_leftovers_of_a_killed_daemon_are_removed(tmp_path: Path)
     ours, others = _plant_searchable_pdf_leftovers(tmp_path)
     assert len(ours[1].name.encode()) <= 255 and "~" in ours[1].name  # shortened
     os.utime(ours[0], (0, 0))
-    assert remove_made_leftovers(tmp_path, older_than=1.0) == [ours[0]]
-    assert sorted(remove_made_leftovers(tmp_path)) == sorted(ours[1:])
+    assert remove_leftovers(tmp_path, older_than=1.0) == [ours[0]]
+    assert sorted(remove_leftovers(tmp_path)) == sorted(ours[1:])
     assert not any(p.exists() for p in ours)
     assert all(p.exists() for p in others)
 
@@ -410,6 +467,36 @@ def test_daemon_start_removes_searchable_pdf_leftovers(tmp_path: Path) -> None:
         assert not any(p.exists() for p in ours), d.tail()
         assert all(p.exists() for p in others)
         assert d.log_path.read_text().count("output_leftover_removed") == len(ours)
+        assert d.stop(60) == 0, d.tail()
+    finally:
+        d.cleanup()
+
+
+def test_daemon_start_after_a_kill_mid_write_removes_its_temps_and_completes(
+        tmp_path: Path) -> None:
+    """A daemon killed while writing a document's outputs (claim landed, the rest temp
+    files), its input still in the inbox: the next start removes those temp files, the
+    job writes the document complete into the same folder, the operator's files stay."""
+    d = Daemon(tmp_path, standin_engine(tmp_path, port=free_port()))
+    try:
+        source = CORPUS_DIR / "good/image_numeric-table-scan.tif"
+        shutil.copyfile(source, d.inbox / "scan.tif")
+        folder = d.output / "scan"
+        meta = {"source": "scan.tif", "source_sha256": hashlib.sha256(
+            source.read_bytes()).hexdigest()}
+        write_document(folder, "scan", [PageOutput(1, "ok", 1, None, 10, 10, "before")], meta,
+                       FORMATS)
+        ours, others = _plant_write_leftovers(folder, ["scan.json", "scan_metadata.json"])
+        d.start()
+        d.wait_answering(60)
+        assert d.wait_jobs_final({"scan.tif"}, 120)["scan.tif"]["state"] == "done", d.tail()
+        assert [p.name for p in ours if p.exists()] == [], d.tail()
+        assert all(p.exists() for p in others)
+        assert d.log_path.read_text().count("output_leftover_removed") == len(ours)
+        claim = json.loads((folder / CLAIM_FILE).read_text())
+        assert all((folder / name).is_file() for name in claim["files"])
+        assert json.loads((folder / "scan_metadata.json").read_text())["num_pages"] == 1
+        assert (d.done / "scan.tif").exists() and not (d.output / "scan (1)").exists()
         assert d.stop(60) == 0, d.tail()
     finally:
         d.cleanup()

@@ -15,6 +15,7 @@ import errno
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -157,19 +158,21 @@ def make_watch_folders(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
-#: On a shared store another host may be writing a searchable PDF beside its output folder
-#: now: only temp files older than this are a dead daemon's (one takes seconds to write).
+#: On a shared store another host may be writing a searchable PDF beside its output folder,
+#: or a document's outputs, now: only temp files older than this are a dead daemon's (one
+#: takes seconds to write).
 SHARED_LEFTOVER_AGE_S = 3600.0
 
 
 def remove_output_leftovers(cfg: Config) -> None:
-    """The searchable PDFs' temp files a killed daemon left in the output folders
-    (``outputs.remove_made_leftovers``), before any job writes; each removal is logged."""
+    """The temp files a killed daemon left in the output folders (the searchable PDFs',
+    those of outputs written atomically: ``outputs.remove_leftovers``), before any job
+    writes; each removal is logged."""
     older_than = time.time() - SHARED_LEFTOVER_AGE_S if cfg.daemon.store_url else None
     for output in dict.fromkeys(w.output for w in cfg.watch):
-        for path in outputs.remove_made_leftovers(output, older_than=older_than):
+        for path in outputs.remove_leftovers(output, older_than=older_than):
             log.info("output_leftover_removed", path=names.display(path),
-                     reason="a searchable PDF's temp file from a daemon that was killed")
+                     reason="a temp file of an output write a killed daemon cut short")
 
 
 def watch_folder_problems(cfg: Config, *, create: bool) -> list[ConfigProblem]:
