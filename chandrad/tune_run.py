@@ -1,8 +1,10 @@
 """``chandrad tune``: the search of ``tune.py`` run on this host's engine, with a progress bar.
 
 Owns what the search needs of the outside: the store (opened as the daemon opens it, so a
-daemon on the same state dir makes ``tune`` refuse, exit 78, and ``tune`` holding it keeps a
-daemon from starting meanwhile), the starting profile and learned key (the daemon's own
+daemon on the same state dir, or on a shared PostgreSQL store a live host with this
+``daemon.host_id``, makes ``tune`` refuse, exit 78, and ``tune`` holding it keeps this
+host's daemon from starting meanwhile; the profile is saved under the host's id there, as
+the daemon saves it), the starting profile and learned key (the daemon's own
 ``ProfileKeeper``: the memory plan, the key the daemon loads), the calibration pages
 (``--files``, rendered by the daemon's renderer, else :data:`SYNTHETIC_PAGES` pages of text
 drawn here), one ``EngineSupervisor`` per engine start (the daemon's supervision, spawn and

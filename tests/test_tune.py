@@ -15,18 +15,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import structlog
 from daemon_harness import config_toml, table
+from pg_server import PgServer
 from standin_engine import write_standin
 from waiting import wait_until
 
 from chandrad import tune_run
 from chandrad.config import EngineConfig, OcrConfig, load_config
-from chandrad.daemon.wiring import NvmlProbe
+from chandrad.daemon.wiring import NvmlProbe, plan_engines
 from chandrad.engine.keeper import TUNED_MARK, ProfileKeeper
 from chandrad.engine.profile import MemoryProfile
 from chandrad.errors import ExitCode
 from chandrad.store import Store
+from chandrad.store.postgres import PgStore
 from chandrad.tune import EngineStep, Measure, TunePolicy, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,3 +273,45 @@ def test_tune_refuses_while_the_daemon_holds_the_store_and_ctrl_c_keeps_the_best
     [learned] = _learned(tmp_path / "state")  # 2 at once, or 4 if that level beat the signal
     assert learned["max_num_seqs"] in (2, 4) and learned[TUNED_MARK] is True, learned
     assert "after: " in out and f"(max_num_seqs {learned['max_num_seqs']}," in out, out
+
+
+# ------------------------------------------------------------------ a shared store (PostgreSQL)
+def _on_shared_store(config: Path, url: str, host: str) -> None:
+    text = config.read_text(encoding="utf-8")
+    keys = f'store = "{url}"\nhost_id = "{host}"\nlease_s = 3\n'
+    config.write_text(text.replace("[daemon]\n", "[daemon]\n" + keys, 1), encoding="utf-8")
+
+
+def test_tune_on_a_shared_store_keeps_the_profile_under_this_hosts_id(
+        tmp_path: Path, free_port: Callable[[], int], pg_server: PgServer) -> None:
+    """With ``daemon.store`` a PostgreSQL URL, tune saves the learned profile under this
+    host's id, where this host's daemon loads it (as tuned) and no other host does; while
+    a live process beats as this host (its daemon), tune refuses: exit 78 naming
+    ``daemon.host_id``."""
+    url = pg_server.new_database()
+    config = _standin_config(tmp_path, free_port(), delay_s=0.02)
+    _on_shared_store(config, url, "gpu-1")
+    daemon = PgStore.open(url, "gpu-1", lease_s=3.0)  # this host's daemon, running
+    try:
+        refused = _tune(config, "--max-starts", "1")
+        out, _ = refused.communicate(timeout=60)
+    finally:
+        daemon.close()
+    assert refused.returncode == ExitCode.CONFIG and "daemon.host_id" in out, out
+    done = _tune(config, "--minutes", "3", "--max-starts", "1", "--files",
+                 _one_page(tmp_path / "files"))
+    out, _ = done.communicate(timeout=180)
+    assert done.returncode == 0, out
+    cfg = load_config(config)
+    engine = plan_engines(cfg)[0].engine
+    for host, tuned in (("gpu-1", True), ("gpu-2", False)):
+        store = PgStore.open(url, host, lease_s=3.0)
+        try:
+            keeper = ProfileKeeper(engine, cfg.ocr, gpu=NvmlProbe(), store=store, cpus="",
+                                   log=structlog.get_logger())
+            assert (keeper.policy.source == "tuned") is tuned, (host, keeper.policy.source)
+        finally:
+            store.close()
+    with psycopg.connect(url) as conn:
+        [(key,)] = conn.execute("SELECT key FROM learned_profiles").fetchall()
+    assert key.startswith("gpu-1/") and "kept as the learned profile of" in out, (key, out)
