@@ -19,6 +19,7 @@ the daemon's own interpreter.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import importlib
 import importlib.metadata
@@ -323,7 +324,7 @@ def _check_config(args: argparse.Namespace) -> int:
     first = specs[0]
     cmd = command.build_engine_command(first.engine, profile, base_env=os.environ,
                                        cpus=first.cpus)
-    problems = unit_problems + plan_problems + command.validate_engine_args(cmd.flags)
+    problems = unit_problems + plan_problems + _flag_problems(first.engine, profile, cmd.flags)
     problems += _model_problems(engine, path)
     warnings = _vllm_warnings(profile.chandra_launch)
     if preview and sizing is None:
@@ -367,6 +368,16 @@ def _check_config(args: argparse.Namespace) -> int:
                 "previewed": preview, "chandra_gpu": launch.chandra_gpu(gib or 0.0)},
         }
     return _finish(problems, path, started, report=report, warnings=warnings)
+
+
+def _flag_problems(engine: config.EngineConfig, profile: MemoryProfile,
+                   flags: Sequence[str]) -> list[errors.ConfigProblem]:
+    """The engine flags judged by the vLLM that will parse them: with ``engine.python``,
+    that interpreter's, in a child, as the daemon's flag check does (an interpreter that
+    cannot be run is an ``engine.python`` problem); else chandrad's own."""
+    if not engine.python:
+        return command.validate_engine_args(flags)
+    return asyncio.run(command.validate_in_child(engine, profile, engine.python))
 
 
 def _folder_problems(cfg: config.Config) -> list[errors.ConfigProblem]:

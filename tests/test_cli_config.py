@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pinned_parser import SIDE_VENV, pinned_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +75,37 @@ def test_check_config_unknown_vllm_flags_in_extra_args_exit_78(tmp_path: Path) -
     assert "--swap-space" in text and "0.18" in text
     assert "--frobnicate" in text
     assert "--max-num-seqs is given more than once" in text
+
+
+def test_check_config_judges_flags_with_engine_python_s_vllm(tmp_path: Path) -> None:
+    """With ``engine.python`` the flags go to that interpreter's vLLM, as the daemon's flag
+    check sends them: the pinned 0.17 (``.venv-pinned``) accepts ``--swap-space``, which
+    the installed 0.32 lacks, and refuses ``--distributed-timeout-seconds``, which only
+    0.32 has. One child importing vLLM 0.17 (~10 s)."""
+    python = pinned_python()
+    if python is None:
+        message = f"no pinned vLLM venv at {SIDE_VENV}: scripts/setup.sh builds it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    path = _config(tmp_path, engine=f'python = "{python}"\nextra_args = ["--swap-space", '
+                                    '"4", "--distributed-timeout-seconds", "60"]\n')
+    done = _chandrad("check-config", "--config", str(path))
+    assert done.returncode == 78, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{path}:10: engine.extra_args: --distributed-timeout-seconds")
+    assert "vLLM 0.17.1" in lines[0]
+
+
+def test_check_config_engine_python_that_cannot_run_exit_78(tmp_path: Path) -> None:
+    """An ``engine.python`` that is not there is named, not replaced by chandrad's own."""
+    missing = tmp_path / "no-such-venv" / "bin" / "python"
+    path = _config(tmp_path, engine=f'python = "{missing}"\n')
+    done = _chandrad("check-config", "--config", str(path))
+    assert done.returncode == 78, done.stdout + done.stderr
+    assert f"{path}:9: engine.python: cannot run {missing}: No such file" in done.stderr
+    assert "vllm serve" in done.stderr
 
 
 def test_check_config_bad_config_one_line_per_problem(tmp_path: Path) -> None:

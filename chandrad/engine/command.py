@@ -474,8 +474,10 @@ async def validate_in_child(
             interpreter, "-m", "chandrad", "check-flags", stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as exc:
-        return [errors.ConfigProblem("engine.python", f"cannot run {interpreter}: "
-                                     f"{exc.strerror}", code="engine_vllm_missing")]
+        return [errors.ConfigProblem(
+            "engine.python", f"cannot run {interpreter}: {exc.strerror}; engine.python must "
+            "be the Python interpreter with vLLM installed that runs `vllm serve`",
+            code="engine_vllm_missing")]
     try:
         async with asyncio.timeout(timeout):
             out, err = await child.communicate(json.dumps(list(flags)).encode())
