@@ -71,17 +71,21 @@ def state_dir(output: Path) -> Path:
 
 def batch_config(cfg: Config, output: Path) -> Config:
     """``cfg`` as a batch runs it: one watch (inbox, done/ and failed/ in the state dir,
-    outputs in ``output``), the state dir under ``output``, no metrics endpoint, and an
-    engine that gives up ends the run (``exit_on_fatal``) instead of waiting for an
-    operator's ``chandractl engine restart`` that has no socket to arrive on."""
+    outputs in ``output``), the state dir under ``output`` holding its own SQLite store
+    (whatever ``daemon.store`` names: a one-shot run on one machine never joins a shared
+    queue nor uses the daemon's store), no metrics endpoint, no HTTP API, and an engine
+    that gives up ends the run (``exit_on_fatal``) instead of waiting for an operator's
+    ``chandractl engine restart`` that has no socket to arrive on."""
     state = state_dir(output)
     watch = WatchConfig(input=state / "inbox", output=output, done=state / "done",
                         failed=state / "failed", recursive=True, mode="poll",
                         settle_seconds=0.0, duplicates="process", create_input=True)
+    daemon = dataclasses.replace(cfg.daemon, state_dir=state, store="", store_url="",
+                                 sqlite_dir=None)
     return dataclasses.replace(
-        cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=state), watch=(watch,),
+        cfg, daemon=daemon, watch=(watch,),
         engine=dataclasses.replace(cfg.engine, exit_on_fatal=True),
-        metrics=MetricsConfig(listen=""))
+        metrics=MetricsConfig(listen=""), api=dataclasses.replace(cfg.api, enabled=False))
 
 
 @dataclass

@@ -21,7 +21,9 @@ from waiting import exited, wait_until
 
 from chandrad.batch import Entry, batch_config, plan, stage
 from chandrad.config import parse_config
+from chandrad.daemon.wiring import open_store
 from chandrad.errors import BatchInputError
+from chandrad.store import DB_NAME, Store
 
 
 def _batch(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -67,6 +69,25 @@ def test_plan_refuses_missing_inputs_and_inputs_inside_the_output(tmp_path: Path
     _files(tmp_path, "in/doc.pdf", "in/out2/doc/doc.md")
     assert [e.rel for e in plan([tmp_path / "in"], tmp_path / "in" / "out2")] == [
         Path("doc.pdf")]
+
+
+@pytest.mark.parametrize("store", ["postgresql://db.example/chandrad", "sqlite:queue"])
+def test_a_batch_keeps_its_own_sqlite_store_whatever_daemon_store_names(
+        tmp_path: Path, store: str) -> None:
+    """The daemon's config on a cluster host (a PostgreSQL store, the HTTP API on) or with
+    its SQLite store elsewhere: the batch opens a SQLite store in ``DIR/.chandrad/`` and
+    serves no API; it never joins the shared queue nor touches the daemon's store."""
+    tokens = tmp_path / "tokens"
+    text = (f'[daemon]\nstore = "{store}"\nhost_id = "gpu-1"\n[api]\nenabled = true\n'
+            f'tokens_file = "{tokens}"\nfolder = "/srv/spool/api"\n')
+    cfg = batch_config(parse_config(text, tmp_path / "c.toml"), tmp_path / "out")
+    opened = open_store(cfg)
+    try:
+        assert isinstance(opened, Store)
+        assert opened.path == tmp_path / "out" / ".chandrad" / DB_NAME
+    finally:
+        opened.close()
+    assert cfg.api_watch() is None
 
 
 def test_stage_links_resumes_skips_done_and_retries_failed(tmp_path: Path) -> None:
