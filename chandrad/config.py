@@ -21,11 +21,14 @@ from chandrad.errors import ConfigError, ConfigProblem
 
 DEFAULT_CONFIG_PATH = Path("/etc/chandrad/chandrad.toml")
 
-#: Knobs that blog recipes use but current vLLM does not have, with the real mechanism.
+#: Knobs that blog recipes use, refused as keys of chandrad's config, with the real
+#: mechanism; the same text explains their flag when the engine's vLLM parser lacks it.
 OBSOLETE_ENGINE_KNOBS: dict[str, str] = {
     "swap_space": (
-        "removed from vLLM in 0.18: preempted requests are recomputed, there is no CPU swap "
-        "space to size; remove the key (use cpu_offload_gb to put weights in host RAM)"
+        "sized a CPU swap space that vLLM's V1 engine never allocates (preempted requests "
+        "are recomputed): vLLM 0.17 accepts --swap-space and only checks it against host "
+        "RAM, 0.18 removed it; remove it (where engine.python's vLLM has the flag, "
+        "engine.extra_args may pass it; cpu_offload_gb puts weights in host RAM)"
     ),
     "preemption_mode": (
         "only existed in the V0 engine; the V1 engine always preempts by recomputation; "

@@ -285,6 +285,16 @@ def test_obsolete_knob_names_replacement(
     assert needle in problem.message
 
 
+def test_swap_space_key_says_which_vllm_has_the_flag(tmp_path: Path) -> None:
+    """``swap_space`` is no key of chandrad's; its refusal says where the flag still is
+    (vLLM 0.17 accepts ``--swap-space``, through ``engine.extra_args``, judged by
+    ``engine.python``'s vLLM) instead of calling it gone."""
+    problem = _one(tmp_path, f"{WATCH}[engine.memory]\nswap_space = 4\n")
+    assert problem.code == "engine_flag_obsolete"
+    assert "0.17 accepts --swap-space" in problem.message
+    assert "engine.extra_args" in problem.message and "0.18 removed it" in problem.message
+
+
 @pytest.mark.parametrize("value", ['"16MB"', '"2 MiB"', "2048", "7"])
 def test_block_size_in_megabytes_refused(tmp_path: Path, value: str) -> None:
     """block_size as a size (or a non-vLLM number) explains it is tokens per KV block."""
