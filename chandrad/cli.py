@@ -5,7 +5,8 @@
 * ``check-config``: the config, every engine flag against the installed vLLM, and the
   engine command line;
 * ``fetch-model``: download ``engine.model`` into the Hugging Face cache;
-* ``store``: ``check`` the store for damage, or ``repair`` it (daemon stopped);
+* ``store``: ``check`` the store ``daemon.store`` names, or ``repair`` it (SQLite: the
+  daemon stopped; PostgreSQL: recounts, hosts running);
 * ``tune``: measure this host's engine and keep the fastest profile as the learned one;
 * ``check-flags`` (hidden): run by the daemon in the engine's interpreter.
 
@@ -86,8 +87,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="config file for [engine] and [ocr] (default: $CHANDRAD_CONFIG, "
                        f"else {config.DEFAULT_CONFIG_PATH} if it exists, else the defaults); "
                        "its [[watch]] tables are not used")
-    text = ("check the store (daemon.state_dir's chandrad.sqlite3) for damage, read only; or "
-            "repair it with the daemon stopped (the damaged file is kept beside it)")
+    text = ("check the store daemon.store names for damage, read only; or repair it. SQLite "
+            "(daemon.state_dir's chandrad.sqlite3): integrity, repaired with the daemon "
+            "stopped (the damaged file is kept beside it). PostgreSQL: schema version and "
+            "per-state counts, recounted by repair while hosts run; pages and leases "
+            "waiting on hosts that are not up are listed")
     store = sub.add_parser("store", help=text, description=text)
     store.add_argument("action", choices=("check", "repair"))
     store.add_argument("--config", type=Path, default=None, metavar="PATH",
@@ -221,8 +225,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace) -> int:
-    """``chandrad store check|repair``: 0 sound (or repaired), 78 damaged."""
-    state_dir = config.load_config(_config_path(args)).daemon.state_dir
+    """``chandrad store check|repair``: 0 sound (or repaired), 78 damaged, 69 a PostgreSQL
+    store that cannot be reached."""
+    cfg = config.load_config(_config_path(args))
+    if cfg.daemon.store_url:
+        return _pg_store(args.action, cfg.daemon.store_url)
+    state_dir = cfg.daemon.sqlite_dir or cfg.daemon.state_dir
     store = importlib.import_module("chandrad.store")
     if args.action == "repair":
         done = store.repair(state_dir)
@@ -237,6 +245,25 @@ def _store(args: argparse.Namespace) -> int:
               "repair` (or see docs/operations.md, \"A damaged store\")", file=sys.stderr)
         return errors.ExitCode.CONFIG
     print(f"{state_dir / store.DB_NAME}: ok")
+    return errors.ExitCode.OK
+
+
+def _pg_store(action: str, url: str) -> int:
+    """``chandrad store check|repair`` on a PostgreSQL store (``store.pg_check``)."""
+    pg = importlib.import_module("chandrad.store.pg_check")
+    if action == "repair":
+        changed = pg.recount(url)
+        for what, (was, now) in changed.items():
+            print(f"{pg.safe_url(url)}: {what}: {was} -> {now}")
+        print(f"{pg.safe_url(url)}: counts " + ("recounted" if changed else "were right"))
+    found = pg.check(url)
+    for line in found.notes:
+        print(f"{found.location}: note: {line}")
+    for line in found.problems:
+        print(f"{found.location}: {line}")
+    if found.problems:
+        return errors.ExitCode.CONFIG
+    print(f"{found.location}: ok (schema version {found.version})")
     return errors.ExitCode.OK
 
 

@@ -156,11 +156,13 @@ class StoreUnreachable(StoreFull):
     """The store's server (PostgreSQL) cannot be reached: restarted, down, or the network.
 
     Handled as a full store is: nothing is failed for it, the work waits where the store
-    has it, and every host carries on once it connects again.
+    has it, and every host carries on once it connects again. A command that needs the
+    store at once (``chandrad store check``, ``tune``) exits 69: worth a retry.
     """
 
     code = "store_unreachable"
     title = "store unreachable"
+    exit_code = ExitCode.UNAVAILABLE
 
 
 class HostIdInUse(ChandradError):

@@ -53,7 +53,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.store.sqlite", "chandrad.store.jobs", "chandrad.store.pages",
                 "chandrad.store.profiles", "chandrad.store.database", "chandrad.store.schema",
                 "chandrad.store.guard", "chandrad.store.repair", "chandrad.store.operations",
-                "chandrad.store.api",
+                "chandrad.store.api", "chandrad.store.pg_check",
                 "chandrad.store.postgres", "chandrad.store.pg_database",
                 "chandrad.store.pg_schema", "chandrad.store.leases",
                 "chandrad.watch", "chandrad.render", "chandrad.outputs",
