@@ -26,7 +26,7 @@ from chandrad.api.webhooks import backoff, sign
 from chandrad.config import parse_config
 from chandrad.errors import ConfigError, ExitCode, InternalError
 from chandrad.states import JobState
-from chandrad.store import Store, StoreBackend
+from chandrad.store import Store, StoreBackend, repair
 from chandrad.store.api import ApiTable
 from chandrad.store.postgres import PgStore
 
@@ -97,6 +97,27 @@ def test_owner_is_recorded_with_the_job_or_not_at_all(store: Store, tmp_path: Pa
     api = table.get(job_id)
     assert api is not None and (api.owner, api.outputs) == ("bob", ("md",))
     assert table.job_ids("bob", None, 10) == [job_id] and table.job_ids("alice", None, 10) == []
+
+
+def test_repair_keeps_api_owners_and_owed_webhooks(tmp_path: Path) -> None:
+    """``chandrad store repair`` rebuilds the SQLite store from its rows: an API job keeps
+    its owner (its token still sees it) and a webhook not yet delivered is still owed."""
+    state = tmp_path / "state"
+    store = Store.open(state)
+    try:
+        table = ApiTable.of(store)
+        job_id = _accept(store, table, tmp_path / "inbox", "a.pdf", "a")
+        _finish(store, job_id, JobState.DONE)
+    finally:
+        store.close()
+    assert repair(state).jobs == 1
+    store = Store.open(state)
+    try:
+        table = ApiTable.of(store)
+        assert table.job_ids("alice", None, 10) == [job_id]
+        assert [(i.job_id, i.state) for i in table.due(now=2e9)] == [(job_id, "done")]
+    finally:
+        store.close()
 
 
 def test_queue_position_counts_pending_jobs_ahead(store: Store, tmp_path: Path) -> None:

@@ -109,6 +109,10 @@ def _rebuild(path: Path, fresh: Path) -> str:
         jobs = _copy_rows(conn, "jobs", lambda row: True, lost)
         _copy_rows(conn, "pages", lambda row: row[0] in jobs, lost)
         _copy_rows(conn, "learned_profiles", lambda row: True, lost)
+        # The HTTP API's: a job's owner token (without it the job is no token's but an
+        # admin's) and its webhooks, delivered or still owed.
+        _copy_rows(conn, "api_jobs", lambda row: row[0] in jobs, lost)
+        _copy_rows(conn, "webhook_outbox", lambda row: row[1] in jobs, lost)
         conn.execute("COMMIT")
         conn.execute("DETACH DATABASE old")
     finally:
