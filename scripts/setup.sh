@@ -134,7 +134,7 @@ else
     done_step "installed"
 fi
 
-step "Debian tools: systemd-analyze, journalctl, systemd-journal-remote, prometheus, tmux, debootstrap, systemd-nspawn"
+step "Debian tools: systemd-analyze, journalctl, systemd-journal-remote, prometheus, tmux, debootstrap, systemd-nspawn, ip"
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v journalctl >/dev/null 2>&1 || missing+=(systemd)
@@ -150,6 +150,8 @@ command -v pdftotext >/dev/null 2>&1 || missing+=(poppler-utils)
 command -v qpdf >/dev/null 2>&1 || missing+=(qpdf)
 # postgresql: tests run a real server (tests/pg_server.py: initdb/pg_ctl in a temp dir).
 [ -x /usr/lib/postgresql/15/bin/initdb ] || missing+=(postgresql)
+# iproute2: tests/test_cluster_netns.py puts hosts in network namespaces (ip netns).
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || missing+=(iproute2)
 # debootstrap + systemd-nspawn: tests/test_systemd_boot.py boots Debian 12 with systemd.
 command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
 command -v systemd-nspawn >/dev/null 2>&1 || missing+=(systemd-container)

@@ -241,6 +241,8 @@ class Daemon:
     tables: str = ""
     #: Further environment of ``chandrad run`` (a test's ``NOTIFY_SOCKET``).
     env: Mapping[str, str] = field(default_factory=dict)
+    #: What ``chandrad run`` runs under (``ip netns exec NAME``: a host of its own network).
+    prefix: Sequence[str] = ()
     proc: subprocess.Popen[bytes] | None = None
     #: The ``MARK_ENV`` value of every daemon started here: what cleanup hunts.
     marker: str = field(default_factory=lambda: secrets.token_hex(8))
@@ -311,7 +313,8 @@ class Daemon:
         env["CACHE_DIRECTORY"] = SHARED_CACHE
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "chandrad", "run", "--config", str(self.config)],
+                [*self.prefix, sys.executable, "-m", "chandrad", "run", "--config",
+                 str(self.config)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True)
 

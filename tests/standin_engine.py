@@ -54,8 +54,9 @@ read once at start, so that a test can change what the *next* generation does:
   ``width:W``, ``colour:R,G,B`` (its centre pixel) or ``sha256:HEX``; a reply, or a list
   answered in turn (the last repeats). A reply: ``status`` (200), ``delay_s``, ``content``
   (``{n}``: the count of earlier answers to that key), ``finish_reason`` ("stop"), ``raw``
-  (a body that is not a chat completion), ``message`` (an error's), ``prompt_tokens``.
-  The default content names the page image's sha256, so a test can tell pages apart.
+  (a body that is not a chat completion), ``message`` (an error's), ``prompt_tokens``,
+  ``until`` (a path: the answer waits until it exists, 120 s at most). The default
+  content names the page image's sha256, so a test can tell pages apart.
 * ``record_messages``: keep the messages (the page image) in the ``chat`` events too.
 * ``gate``: N > 0 holds every request until N are held at once (at most ``gate_s``,
   default 120 s), then answers them and all later ones as usual: the engine is the
@@ -84,7 +85,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -125,11 +126,13 @@ def events(folder: Path) -> list[dict[str, Any]]:
 
 
 class StandinServer:
-    """A stand-in engine process the test runs itself and names as ``engine.url``."""
+    """A stand-in engine process the test runs itself and names as ``engine.url``; under
+    ``prefix`` (``ip netns exec NAME``: on a host of its own network)."""
 
     def __init__(self, folder: Path, scenario: dict[str, Any] | None = None, *,
-                 served: str = "chandra") -> None:
+                 served: str = "chandra", prefix: Sequence[str] = ()) -> None:
         self.folder = folder
+        self.prefix = list(prefix)
         self.served = served
         self.scenario: dict[str, Any] = {**WRAPPER_DEFAULTS, **(scenario or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -153,7 +156,7 @@ class StandinServer:
         self.update()
         with (self.folder / "engine.log").open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(THIS), "--standin-scenario",
+                [*self.prefix, sys.executable, str(THIS), "--standin-scenario",
                  str(self.folder / "scenario.json"), "--port", "0",
                  "--served-model-name", self.served],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -397,6 +400,10 @@ class _ChatHandler(EngineHandler):
             else:
                 with self.server.slots:
                     time.sleep(float(reply.get("delay_s", self.server.delay_s)))
+            held_until = time.monotonic() + 120
+            while "until" in reply and not Path(reply["until"]).exists() \
+                    and time.monotonic() < held_until:
+                time.sleep(0.05)
         finally:
             with self.server.lock:
                 self.server.running -= 1

@@ -28,7 +28,7 @@ class LeaseKeeper:
     """The heartbeat of one host's leases."""
 
     def __init__(self, url: str, host: str, lease_s: float) -> None:
-        self._db = PgDatabase(url)
+        self._db = PgDatabase(url, lease_s)
         self._host = host
         self._lease_s = lease_s
         self._stop = threading.Event()

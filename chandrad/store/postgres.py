@@ -83,7 +83,7 @@ class PgStore(TableStore):
             HostIdInUse: another live host has this id (nothing was changed).
             InternalError: the database's schema is newer than this chandrad.
         """
-        db = PgDatabase.connect(url)
+        db = PgDatabase.connect(url, lease_s)
         try:
             migrate(db)
             _refuse_live_namesake(db, host)
