@@ -34,7 +34,13 @@ import structlog
 
 from chandrad import model_files, ocr, render
 from chandrad.config import Config
-from chandrad.daemon.wiring import NvmlProbe, engine_name, open_store, plan_engines
+from chandrad.daemon.wiring import (
+    NvmlProbe,
+    engine_name,
+    key_line_of,
+    open_store,
+    plan_engines,
+)
 from chandrad.engine.dispatch import Dispatcher
 from chandrad.engine.flagcache import FlagVerdictCache, flag_cache_dir
 from chandrad.engine.flagcheck import FlagChecks
@@ -45,8 +51,9 @@ from chandrad.engine.profile import (
     MemoryProfile,
     estimate_prompt_tokens,
 )
+from chandrad.engine.replicas import ReplicaSpec
 from chandrad.engine.supervisor import EngineSupervisor
-from chandrad.errors import EngineUnavailable, ExitCode, InputError
+from chandrad.errors import ConfigError, ConfigProblem, EngineUnavailable, ExitCode, InputError
 from chandrad.interfaces import ChatBody
 from chandrad.logs import configure_logging
 from chandrad.states import EngineState
@@ -70,7 +77,9 @@ class TuneOutcome:
 
     policy: TunePolicy
     interrupted: bool
-    saved_key: str  #: "" when nothing was saved
+    saved_key: str  #: "" when nothing was saved (engine 0's key)
+    #: The engines that profile was saved for (alike replicas: each under its own key).
+    saved_for: int = 1
 
     @property
     def exit_code(self) -> int:
@@ -192,13 +201,61 @@ def engine_memory(engine: EngineSupervisor, gpu: NvmlProbe, on_gpu: bool) -> int
     return sum(_rss(p) for p in pids) or None
 
 
+def _cpu_count(cpus: str) -> int:
+    """How many CPUs a CPU list (``"0-3,8"``) names."""
+    count = 0
+    for part in filter(None, cpus.replace(" ", "").split(",")):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def _replica_kind(spec: ReplicaSpec, keeper: ProfileKeeper, gpu: NvmlProbe) -> dict[str, str]:
+    """What decides whether one engine's best profile is another's, by the key naming it:
+    its GPUs' model, count and memory, its CPUs, its starting profile."""
+    name, count = gpu.identity(spec.engine.gpus)
+    facts = gpu.facts(spec.engine.gpus)
+    memory = f", {facts.total_gib:.1f} GiB" if facts is not None else ""
+    return {"engine.gpus": f"{count} x {name}{memory}",
+            "engine.cpu_affinity": f"{_cpu_count(spec.cpus)} CPUs" if spec.cpus else "all CPUs",
+            "engine.memory": str(keeper.policy.configured.to_dict())}
+
+
+def alike_replica_keys(cfg: Config, specs: Sequence[ReplicaSpec], gpu: NvmlProbe,
+                       first: ProfileKeeper) -> list[str]:
+    """The learned key of every engine ``run`` starts, engine 0's first, each as that
+    engine's own supervisor computes it (its GPUs by UUID, its CPU list), so that every
+    replica starts from what tune measured on engine 0. Raises ``ConfigError`` (78) when
+    a replica is not like engine 0 (another GPU model, count or memory, another number of
+    CPUs, another starting profile): what engine 0 measured says nothing of it."""
+    keys = [first.key(specs[0].engine, cfg.ocr)]
+    kind = _replica_kind(specs[0], first, gpu)
+    for spec in specs[1:]:
+        keeper = ProfileKeeper(spec.engine, cfg.ocr, gpu=gpu, store=None, cpus=spec.cpus,
+                               log=log)
+        other = _replica_kind(spec, keeper, gpu)
+        differ = [k for k in kind if other[k] != kind[k]]
+        if differ:
+            raise ConfigError([ConfigProblem(
+                differ[0], f"chandrad tune measures engine 0 and keeps its profile for every "
+                f"replica, but engine {spec.id} is not like engine 0 ("
+                + "; ".join(f"{k}: {other[k]} vs {kind[k]}" for k in differ)
+                + "): tune each kind of engine on its own, with a copy of the config whose "
+                "engine.gpus (or engine.cpu_affinity) selects only that kind; each replica "
+                "of the daemon loads the profile tuned for its own GPUs",
+                str(cfg.path), key_line_of(cfg, differ[0]), "tune_replicas_differ")])
+        keys.append(keeper.key(spec.engine, cfg.ocr))
+    return keys
+
+
 # ----------------------------------------------------------------- measuring
 class Tuner:
     """One tune: the engine starts of the search, the levels measured on each."""
 
     def __init__(self, cfg: Config, pages: list[ocr.PageImage], deadline: float,
                  view: Any, max_starts: int | None = None) -> None:
-        spec = plan_engines(cfg)[0]
+        specs = plan_engines(cfg)
+        spec = specs[0]
         self.cfg = cfg
         self.spec = spec
         self.engine = dataclasses.replace(
@@ -216,7 +273,9 @@ class Tuner:
             flag_cache_dir(cfg.daemon.state_dir, os.environ)))
         keeper = ProfileKeeper(spec.engine, cfg.ocr, gpu=self.gpu, store=None, cpus=spec.cpus,
                                log=log)
-        self.key = keeper.key(spec.engine, cfg.ocr)
+        #: Every engine's learned key, engine 0's first: the replicas are alike, so each
+        #: starts from what engine 0 measures (else ConfigError, before any start).
+        self.keys = alike_replica_keys(cfg, specs, self.gpu, keeper)
         self.policy = TunePolicy(keeper.policy.configured)
         self.stop = asyncio.Event()
         self.start_s = 0.0  # the last engine start's seconds: whether another fits the budget
@@ -474,7 +533,9 @@ def print_table(outcome: TuneOutcome, out: TextIO, tty: bool) -> None:
                   f"{best.max_num_seqs}, max_num_batched_tokens {best.max_num_batched_tokens})"
                   f"; x{gain:.2f}\n")
     if outcome.saved_key:
-        out.write(f"kept as the learned profile of {outcome.saved_key}\n")
+        also = (f" and, alike, of the {outcome.saved_for - 1} other replica(s), each under its "
+                "own key") if outcome.saved_for > 1 else ""
+        out.write(f"kept as the learned profile of {outcome.saved_key}{also}\n")
     else:
         out.write("nothing kept: no profile was measured\n")
     out.write(f"ended: {policy.ended or 'done'}\n")
@@ -505,9 +566,10 @@ def run_tune(cfg: Config, files: Path | None, minutes: float, out: TextIO,
 
             def save(profile: MemoryProfile) -> None:
                 nonlocal saved
-                store.save_learned_profile(tuner.key, {**profile.to_dict(), TUNED_MARK: True})
-                saved = tuner.key
-                log.info("tune_profile_saved", key=tuner.key, profile=profile.to_dict())
+                for key in tuner.keys:  # every replica's (alike: alike_replica_keys)
+                    store.save_learned_profile(key, {**profile.to_dict(), TUNED_MARK: True})
+                    log.info("tune_profile_saved", key=key, profile=profile.to_dict())
+                saved = tuner.keys[0]
 
             async def main() -> None:
                 loop = asyncio.get_running_loop()
@@ -516,7 +578,8 @@ def run_tune(cfg: Config, files: Path | None, minutes: float, out: TextIO,
                 await tuner.run(save)
 
             asyncio.run(main())
-        outcome = TuneOutcome(tuner.policy, tuner.stop.is_set(), saved)
+        outcome = TuneOutcome(tuner.policy, tuner.stop.is_set(), saved,
+                              len(tuner.keys) if saved else 0)
     finally:
         store.close()
     print_table(outcome, out, tty)

@@ -193,12 +193,16 @@ def load_config_text(root: Path, engine: str) -> Any:
 BLOCKS = 6
 
 
-def _standin_config(tmp_path: Path, port: int, delay_s: float = 0.1) -> Path:
+def _standin_config(tmp_path: Path, port: int, delay_s: float = 0.1,
+                    cpu_affinity: tuple[str, ...] = ()) -> Path:
+    """``cpu_affinity``: one engine per CPU list (replicas on the CPU)."""
     python = write_standin(tmp_path / "engine", {"mamba_cache_blocks": BLOCKS,
                                                  "delay_s": delay_s})
-    engine = table("engine", {"model": python.parent, "python": python, "port": port,
-                              "startup_timeout": 30, "stop_timeout": 5}) + table(
-        "engine.memory", {"max_num_seqs": 1})
+    keys: dict[str, Any] = {"model": python.parent, "python": python, "port": port,
+                            "startup_timeout": 30, "stop_timeout": 5}
+    if cpu_affinity:
+        keys["cpu_affinity"] = list(cpu_affinity)
+    engine = table("engine", keys) + table("engine.memory", {"max_num_seqs": 1})
     load_config_text(tmp_path, engine)
     return tmp_path / "chandrad.toml"
 
@@ -315,3 +319,44 @@ def test_tune_on_a_shared_store_keeps_the_profile_under_this_hosts_id(
     with psycopg.connect(url) as conn:
         [(key,)] = conn.execute("SELECT key FROM learned_profiles").fetchall()
     assert key.startswith("gpu-1/") and "kept as the learned profile of" in out, (key, out)
+
+
+# ------------------------------------------------------------------ replicas
+def test_tune_keeps_the_profile_for_every_alike_replica(
+        tmp_path: Path, free_port: Callable[[], int]) -> None:
+    """Two replicas pinned to one CPU each are alike: tune measures engine 0 and saves the
+    best under each replica's own key (its CPU list is part of it), so that each replica
+    of the daemon starts from it, marked tuned."""
+    config = _standin_config(tmp_path, free_port(), delay_s=0.02, cpu_affinity=("0", "1"))
+    done = _tune(config, "--minutes", "3", "--max-starts", "1", "--files",
+                 _one_page(tmp_path / "files"))
+    out, _ = done.communicate(timeout=180)
+    assert done.returncode == 0, out
+    cfg = load_config(config)
+    specs = plan_engines(cfg)
+    assert [s.cpus for s in specs] == ["0", "1"]
+    store = Store.open(cfg.daemon.state_dir)
+    try:
+        keepers = [ProfileKeeper(s.engine, cfg.ocr, gpu=NvmlProbe(), store=store, cpus=s.cpus,
+                                 log=structlog.get_logger()) for s in specs]
+        assert [k.policy.source for k in keepers] == ["tuned", "tuned"]
+        assert keepers[0].policy.profile == keepers[1].policy.profile
+        keys = {k.key(s.engine, cfg.ocr) for k, s in zip(keepers, specs, strict=True)}
+        assert len(keys) == 2
+    finally:
+        store.close()
+    assert len(_learned(tmp_path / "state")) == 2
+    assert "and, alike, of the 1 other replica(s)" in out, out
+
+
+def test_tune_refuses_replicas_unlike_engine_0_before_any_start(
+        tmp_path: Path, free_port: Callable[[], int]) -> None:
+    """A replica on two CPUs beside engine 0 on one: engine 0's best says nothing of it,
+    so tune refuses (78, the key and the difference named) and starts no engine."""
+    config = _standin_config(tmp_path, free_port(), cpu_affinity=("0", "0-1"))
+    done = _tune(config, "--minutes", "3", "--files", _one_page(tmp_path / "files"))
+    out, _ = done.communicate(timeout=120)
+    assert done.returncode == ExitCode.CONFIG, out
+    assert "engine.cpu_affinity: chandrad tune measures engine 0" in out, out
+    assert "engine 1 is not like engine 0 (engine.cpu_affinity: 2 CPUs vs 1 CPUs" in out, out
+    assert "engine starting" not in out and _learned(tmp_path / "state") == [], out
