@@ -353,7 +353,7 @@ def _check_config(args: argparse.Namespace) -> int:
                                        cpus=first.cpus)
     problems = unit_problems + plan_problems + _flag_problems(first.engine, profile, cmd.flags)
     problems += _model_problems(engine, path)
-    warnings = _vllm_warnings(profile.chandra_launch)
+    warnings = _vllm_warnings(profile.chandra_launch, engine)
     if preview and sizing is None:
         problems.append(errors.ConfigProblem(
             "engine.gpus", f"{engine.gpus!r} selects none of the {args.gpus} previewed GPU(s) "
@@ -505,9 +505,27 @@ def _installed_vllm() -> tuple[str, str]:
     return "", ""
 
 
-def _vllm_warnings(gpu_launch: bool) -> list[errors.ConfigProblem]:
-    """The installed vLLM outside the GPU path's tested range (a GPU launch, or GPU vLLM)."""
-    dist, version = _installed_vllm()
+def _engine_vllm(engine: config.EngineConfig) -> tuple[str, str] | None:
+    """(distribution, version) of the vLLM ``engine.python`` runs (chandrad's own when
+    unset); ``("", "")`` without one; ``None`` when that interpreter could not answer (the
+    flag check names it)."""
+    if not engine.python:
+        return _installed_vllm()
+    learned = importlib.import_module("chandrad.engine.learned")
+    dist, _, version = str(learned.vllm_version_of(engine.python)).partition(" ")
+    if version.startswith("unknown"):
+        return None if "(" in version else ("", "")
+    return dist, version
+
+
+def _vllm_warnings(gpu_launch: bool,
+                   engine: config.EngineConfig) -> list[errors.ConfigProblem]:
+    """``engine.python``'s vLLM outside the GPU path's tested range (a GPU launch, or GPU
+    vLLM)."""
+    found = _engine_vllm(engine)
+    if found is None:
+        return []
+    dist, version = found
     if not gpu_launch and dist != "vllm":
         return []
     problem = launch.vllm_range_problem(dist, version)

