@@ -14,6 +14,7 @@ from pg_server import PgServer
 
 from chandrad.errors import HostIdInUse, LeaseLost, StoreUnreachable
 from chandrad.states import JobState, PageState
+from chandrad.store.pg_database import PgDatabase, session_params
 from chandrad.store.postgres import PgStore
 
 ROOT = Path("/in")
@@ -212,3 +213,26 @@ def test_a_down_server_costs_later_calls_one_attempt_not_the_reconnect_wait(
     assert first_s >= 3.0 and later_s < 0.5, (first_s, later_s)
     assert a.counts().get("pending") == 1 and a.get(job_id) is not None  # type: ignore[arg-type]
     print(f"down server: first call {first_s:.2f} s, later calls {later_s * 1000:.0f} ms")
+
+
+def test_a_hosts_sessions_bound_a_silent_peer_by_its_lease(pg_server: PgServer) -> None:
+    """A host's connections give a silent server a third of the lease (TCP user timeout,
+    keepalives, both ends) and end a transaction left idle for the lease, so that a host
+    cut off mid-transaction does not hold its row locks; the URL's own settings win."""
+    url = pg_server.new_database()
+
+    def idle_tx_timeout(url: str) -> str:
+        db = PgDatabase.connect(url, lease_s=6.0)
+        try:
+            return str(db.conn.execute("SHOW idle_in_transaction_session_timeout"
+                                       ).fetchone()[0])
+        finally:
+            db.close()
+
+    assert idle_tx_timeout(url) == "6s"
+    assert idle_tx_timeout(url + "&options=-c%20idle_in_transaction_session_timeout%3D9s"
+                           ) == "9s"
+    params = session_params(url, 6.0)
+    assert params["tcp_user_timeout"] == 2000 and params["keepalives"] == 1
+    assert "-c tcp_user_timeout=2000 " in params["options"]
+    assert "tcp_user_timeout" not in session_params(url + "&tcp_user_timeout=500", 6.0)
