@@ -55,7 +55,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.store.guard", "chandrad.store.repair", "chandrad.store.operations",
                 "chandrad.store.api", "chandrad.store.pg_check",
                 "chandrad.store.postgres", "chandrad.store.pg_database",
-                "chandrad.store.pg_schema", "chandrad.store.leases",
+                "chandrad.store.pg_schema", "chandrad.store.leases", "chandrad.store.pg_listen",
                 "chandrad.watch", "chandrad.render", "chandrad.outputs",
                 "chandrad.systemd", "chandrad.logs", "chandrad.model_files", "chandrad.fetch",
                 "chandrad.metrics"),

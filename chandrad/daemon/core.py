@@ -42,6 +42,7 @@ from chandrad.daemon.wiring import (
     NvmlProbe,
     describe_item,
     engine_name,
+    from_thread,
     make_watch_folders,
     open_store_waiting,
     plan_engines,
@@ -226,6 +227,10 @@ class Daemon:
         self.render = RenderPool(cfg.ocr.render_workers)
         self.pipeline = pipeline = Pipeline(cfg, self.store, self.dispatcher, self.render)
         pipeline.observer = self.metrics
+        # Work another host committed wakes the dispatcher at once (a shared store's
+        # NOTIFY, heard on its listener's thread): a wake-up, not a state change, so it
+        # goes to the loop directly rather than through the command queue.
+        self.store.listen_for_work(from_thread(loop, pipeline.wake))
         for engine in self.engines:
             engine.observer = self.metrics
         self._build_parts(pipeline)

@@ -10,6 +10,7 @@ process holds is waited for, shown in ``status``, and does not stop the daemon).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import os
@@ -148,6 +149,15 @@ def open_store(cfg: Config) -> StoreBackend:
         code = "config_state_dir"
     raise ConfigError([ConfigProblem(key, message, str(cfg.path), key_line_of(cfg, key),
                                      code)])
+
+
+def from_thread(loop: asyncio.AbstractEventLoop, call: Callable[[], None]) -> Callable[[], None]:
+    """``call``, to be asked from any thread (a shared store's listener): it runs on
+    ``loop``'s thread; asked once the loop is closed (the daemon stopped), nothing."""
+    def call_soon() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(call)
+    return call_soon
 
 
 def make_watch_folders(cfg: Config) -> None:

@@ -59,6 +59,12 @@ from chandrad.tasks import cancel_and_wait
 
 log = structlog.get_logger("chandrad.pipeline")
 
+#: Seconds the dispatcher waits for a wake-up before it looks anyway: what no wake-up
+#: announces (back-off and hold retries falling due, another host's lease expiring, a
+#: shared store's notification lost while its listener reconnected).
+POLL_S = 1.0
+
+
 class Pipeline:
     """Runs accepted jobs to completion while the daemon lets it dispatch."""
 
@@ -82,6 +88,8 @@ class Pipeline:
         self._active: dict[int, asyncio.Task[None]] = {}
         self._active_paths: dict[int, Path] = {}
         self.waits = JobWaits()
+        #: The dispatcher's fallback poll (``POLL_S``).
+        self.poll_s = POLL_S
 
     @property
     def mode(self) -> PipelineMode:
@@ -176,7 +184,7 @@ class Pipeline:
             self._wake.clear()
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout(self.poll_s):
                     await self._wake.wait()
             await self.limits.poke()
 
@@ -196,7 +204,8 @@ class Pipeline:
         return out
 
     def wake(self) -> None:
-        """New jobs may be waiting (the HTTP API accepted one): look now."""
+        """New jobs may be waiting (the HTTP API accepted one, another host on the shared
+        store made some): look now. On the loop's thread only."""
         self._wake.set()
 
     def _watch_for(self, job: Job) -> WatchConfig | None:

@@ -15,7 +15,7 @@ and changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -99,6 +99,12 @@ class StoreBackend(Protocol):
 
     def cluster_counts(self) -> ClusterCounts | None:
         """Hosts and leases of a shared store, in one read (None: a single host's)."""
+        ...
+
+    def listen_for_work(self, wake: Callable[[], None]) -> None:
+        """Call ``wake``, from a thread of the store's own, whenever a host (this one
+        too) commits work this host could take (a shared store; a single host's store
+        never calls it)."""
         ...
 
     # -- learned profiles (per host: they are per GPU) --------------------------------

@@ -7,7 +7,7 @@ PostgreSQL ``PgStore`` add their own opening, recovery and closing around it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,10 @@ class TableStore:
         """The shared queue's hosts and leases (None: one host, no cluster; PostgreSQL
         overrides it)."""
         return None
+
+    def listen_for_work(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` when another host made work this host could take: a single
+        host's store has no other host, so never (PostgreSQL overrides it)."""
 
     # -- learned profiles: chandrad.store.profiles -----------------------------------
 

@@ -145,6 +145,28 @@ PG_MIGRATIONS: tuple[str, ...] = (
     CREATE TRIGGER webhook_on_finish AFTER UPDATE OF state ON jobs
         FOR EACH ROW EXECUTE FUNCTION chandrad_webhook_on_finish();
     """,
+    # 4: work another host could take is announced on WORK_CHANNEL (store/pg_listen.py):
+    # a job inserted, a job set back to pending (a retry), a lease given back (a clean
+    # stop), a page set back to pending. Payload 'job' or 'page': PostgreSQL delivers one
+    # notification per transaction and payload, at commit. Claims, heartbeats and pages
+    # done notify nothing (a NOTIFY serialises commits on one lock).
+    """
+    CREATE FUNCTION chandrad_notify_work() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_notify('chandrad_work', TG_ARGV[0]);
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER jobs_work_added AFTER INSERT ON jobs FOR EACH ROW
+        WHEN (NEW.state = 'pending') EXECUTE FUNCTION chandrad_notify_work('job');
+    CREATE TRIGGER jobs_work_back AFTER UPDATE OF state, lease_until ON jobs FOR EACH ROW
+        WHEN ((NEW.state = 'pending' AND OLD.state <> 'pending')
+              OR (NEW.state IN ('pending', 'running', 'held')
+                  AND NEW.lease_until < OLD.lease_until))
+        EXECUTE FUNCTION chandrad_notify_work('job');
+    CREATE TRIGGER pages_work_back AFTER UPDATE OF state ON pages FOR EACH ROW
+        WHEN (NEW.state = 'pending' AND OLD.state <> 'pending')
+        EXECUTE FUNCTION chandrad_notify_work('page');
+    """,
 )
 
 

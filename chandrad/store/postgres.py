@@ -19,16 +19,19 @@ SQLite store, and adds what sharing it between hosts needs:
   its input;
 - **at open, only this host's in-flight pages are released** (on SQLite: all of them);
   another host's pages are not ours to release, its lease expiry hands them over;
-- **learned profiles stay per host** (they are per GPU): keys are prefixed with the host id.
+- **learned profiles stay per host** (they are per GPU): keys are prefixed with the host id;
+- **idle hosts hear of new work at once**: the schema's triggers NOTIFY in the transaction
+  that makes work another host could take, and :meth:`PgStore.listen_for_work` hears it on
+  a :class:`~chandrad.store.pg_listen.WorkListener` thread with its own connection (the
+  dispatcher's poll stays the fallback); a retried job belongs to no host, so any takes it.
 
-Idle hosts find new work by the dispatcher's poll (every second), not LISTEN/NOTIFY.
 Use from one thread (the event loop's), like the SQLite store.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from chandrad.store.leases import NOW, LeaseKeeper
 from chandrad.store.operations import TableStore
 from chandrad.store.pages import _RELEASE
 from chandrad.store.pg_database import PgDatabase
+from chandrad.store.pg_listen import WorkListener
 from chandrad.store.pg_schema import migrate, schema_version
 from chandrad.store.records import ClusterCounts, Job, Recovered
 
@@ -71,6 +75,7 @@ class PgStore(TableStore):
         self.lease_s = lease_s
         self.location = db.location
         self._keeper = LeaseKeeper(db.url, host, lease_s)
+        self._listener = WorkListener(db.url, host, lease_s)
         #: Jobs this host claimed from another host whose lease had expired.
         self.takeovers = 0
 
@@ -105,8 +110,9 @@ class PgStore(TableStore):
         return Recovered(pages_released=int(released), jobs_running=int(running))
 
     def close(self) -> None:
-        """Stop the heartbeat, give this host's leases back (others may take its jobs at
-        once), close the connection."""
+        """Stop listening and the heartbeat, give this host's leases back (others may take
+        its jobs at once), close the connection."""
+        self._listener.stop()
         self._keeper.stop()
         try:
             self._keeper.give_back()
@@ -119,6 +125,11 @@ class PgStore(TableStore):
     def _tx(self) -> AbstractContextManager[Any]:
         """A write transaction (``PgDatabase.tx``), for tests that change rows directly."""
         return self._db.tx()
+
+    def listen_for_work(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from the listener's thread) when a host committed work this host
+        could take (``pg_listen``); until :meth:`close`."""
+        self._listener.start(wake)
 
     # -- claiming jobs ---------------------------------------------------------------
 
@@ -224,6 +235,25 @@ class PgStore(TableStore):
             return int(c.execute(
                 _RELEASE + "WHERE state = 'in_flight' AND job_id IN "
                 "(SELECT id FROM jobs WHERE owner = ?)", (self.host,)).rowcount)
+
+    # -- retries: work for any host -----------------------------------------------------
+
+    def retry(self, job_id: int) -> bool:
+        """Requeue a finished job for whichever host is free: it belongs to no host any
+        more (its last owner's heartbeat would keep it for that host alone)."""
+        with self._db.tx() as c:
+            if not super().retry(job_id):
+                return False
+            c.execute("UPDATE jobs SET owner = NULL, lease_until = NULL WHERE id = ?",
+                      (job_id,))
+            return True
+
+    def retry_all_failed(self) -> int:
+        """Requeue every failed job, each for whichever host is free (:meth:`retry`)."""
+        with self._db.tx() as c:
+            c.execute("UPDATE jobs SET owner = NULL, lease_until = NULL "
+                      "WHERE state = 'failed'")
+            return super().retry_all_failed()
 
     # -- the cluster, for metrics -------------------------------------------------------
 
