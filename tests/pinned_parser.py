@@ -46,6 +46,20 @@ def pinned_python() -> Path | None:
     return python if python.is_file() else None
 
 
+def require_pinned_python() -> Path:
+    """The side venv's interpreter; without it the test fails in CI (setup builds it) and
+    is skipped elsewhere."""
+    import pytest
+
+    python = pinned_python()
+    if python is None:
+        message = f"no pinned vLLM venv at {SIDE_VENV}: scripts/setup.sh builds it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
 def previewed_flags(mib: int, **ladder: Any) -> tuple[str, ...]:
     """What ``check-config --gpu-memory <mib>MiB`` builds for the default config; ``ladder``:
     knobs of the memory profile turned as the downshift ladder turns them."""

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pinned_parser import SIDE_VENV, pinned_python
+from pinned_parser import require_pinned_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,12 +83,7 @@ def test_check_config_judges_flags_with_engine_python_s_vllm(tmp_path: Path) -> 
     the installed 0.32 lacks, and refuses ``--distributed-timeout-seconds``, which only
     0.32 has; the GPU path's version warning (an H100 previewed) names 0.17.1. One child
     importing vLLM 0.17 (~10 s)."""
-    python = pinned_python()
-    if python is None:
-        message = f"no pinned vLLM venv at {SIDE_VENV}: scripts/setup.sh builds it"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    python = require_pinned_python()
     path = _config(tmp_path, engine=f'python = "{python}"\nextra_args = ["--swap-space", '
                                     '"4", "--distributed-timeout-seconds", "60"]\n')
     done = _chandrad("check-config", "--config", str(path), "--gpu-memory", "81559MiB")

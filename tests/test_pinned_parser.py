@@ -11,14 +11,13 @@ Skipped where the side venv is absent (it fails instead in CI, where setup.sh bu
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from pinned_parser import SIDE_VENV, judge, pinned_python, previewed_flags
+from pinned_parser import judge, previewed_flags, require_pinned_python
 from test_launch import CARDS
 
 from chandrad.engine import launch
@@ -33,12 +32,7 @@ NVFP4_PROBE = ("--kv-cache-dtype", "nvfp4")
 
 @pytest.fixture(scope="module")
 def verdict() -> dict[str, Any]:
-    python = pinned_python()
-    if python is None:
-        message = f"no pinned vLLM venv at {SIDE_VENV}: scripts/setup.sh builds it"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    python = require_pinned_python()
     h100 = list(previewed_flags(81559))
     flag_sets = {card: list(previewed_flags(mib)) for card, mib, _ in CARDS}
     flag_sets["ladder"] = list(previewed_flags(81559, **LADDER))
