@@ -250,7 +250,7 @@ class Daemon:
         self.tasks.start("dispatch", pipeline.dispatch_loop, quarantine=pipeline.quarantine,
                          describe=describe_item)
         if cfg.daemon.store_url:  # a shared store: help with other hosts' jobs
-            self.tasks.start("helping", pipeline.help_loop)
+            self.tasks.start("helping", pipeline.helper.loop)
         if self.batch is not None:
             self.tasks.start("batch", self._run_batch)
         else:

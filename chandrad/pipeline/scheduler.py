@@ -54,7 +54,7 @@ from chandrad.pipeline.waits import JobWaits
 from chandrad.pipeline.worker import PageWorker
 from chandrad.protocol import HeldJob, HeldStatus
 from chandrad.render import RenderPool
-from chandrad.states import PIPELINE_TRANSITIONS, JobState, PageState, PipelineMode
+from chandrad.states import PIPELINE_TRANSITIONS, EngineState, JobState, PageState, PipelineMode
 from chandrad.store import Job, StoreBackend
 from chandrad.tasks import cancel_and_wait
 
@@ -195,15 +195,12 @@ class Pipeline:
                     await self._wake.wait()
             await self.limits.poke()
 
-    async def help_loop(self) -> None:
-        """Work on pages of other hosts' jobs while this host has room (a shared store;
-        ``chandrad.pipeline.helping``), until cancelled."""
-        await self.helper.loop()
-
     def _own_work(self) -> bool:
-        """Whether this host has work of its own first: pages waiting for a request slot,
-        or room for a job while jobs wait to start (or it starts none: stopping)."""
-        return (not self._mode.starts_jobs or self.worker.pages_waiting > 0
+        """Whether this host is not to help now: it has work of its own first (pages
+        waiting for a request slot, room for a job while jobs wait to start), its engines
+        are not ready, or it starts no work (stopping)."""
+        return (not self._mode.starts_jobs or self.engine.state is not EngineState.READY
+                or self.worker.pages_waiting > 0
                 or (len(self._active) < self._job_slots()
                     and self.store.counts().get(JobState.PENDING.value, 0) > 0))
 

@@ -258,6 +258,10 @@ class PageWorker:
             else:
                 # The engine failed under the page: give it back, uncharged, and wait.
                 self.store.release_page(job.id, index)
+            if self.helping:  # another host's page: not held while this engine recovers
+                raise PageTaken(f"the engine failed under page {index + 1} of job {job.id}, "
+                                "another host's; this host gives it back", job=job.id,
+                                page=index) from exc
             await asyncio.sleep(failed.pause_s)
             return None
         except ValueError as exc:
