@@ -83,9 +83,9 @@ class JobRunner:
                 if reclaimed := self.store.reclaim_pages(job.id):
                     log.warning("pages_reclaimed", job=job.id, pages=reclaimed,
                                 reason="the lease of the host helping with them expired")
-                pages = self.store.pages(job.id)
-                held = [p for p in pages if p.state in _OPEN and p.holder is not None]
-                todo = [p.index for p in pages if p.state in _OPEN and p.holder is None]
+                still = self.store.open_pages(job.id)
+                held = [i for i, holder in still if holder is not None]
+                todo = [i for i, holder in still if holder is None]
                 # Done once no helper holds a page and none was left to or taken back
                 # from one (a single host's store: always after the first pass).
                 if not held and (not todo or not (left or reclaimed)):

@@ -97,6 +97,11 @@ class StoreBackend(Protocol):
     def release_page(self, job_id: int, index: int, *, charge: bool = False,
                      helped: bool = False) -> None: ...
 
+    def open_pages(self, job_id: int) -> list[tuple[int, str | None]]:
+        """A job's pending and in-flight pages, in page order: (index, the helping host
+        that holds it or None), without their results (the owner polls it)."""
+        ...
+
     def claim_helped_pages(self, roots: Collection[Path],
                            limit: int) -> list[tuple[Job, int]]:
         """Lease up to ``limit`` pending pages of running jobs other live hosts own to

@@ -133,6 +133,11 @@ class TableStore:
         """``in_flight -> pending``, uncharged or charged (:meth:`PageTable.release`)."""
         self._pages.release(job_id, index, charge=charge)
 
+    def open_pages(self, job_id: int) -> list[tuple[int, str | None]]:
+        """A job's pages not done or failed yet: (index, the helping host holding it;
+        never one here)."""
+        return [(i, None) for i in self._pages.open_pages(job_id)]
+
     def claim_helped_pages(self, roots: Collection[Path], limit: int) -> list[tuple[Job, int]]:
         """Pages of other hosts' jobs leased to this host (a shared store's; none here)."""
         return []

@@ -293,6 +293,11 @@ class PgStore(TableStore):
         return None if row is None else dataclasses.replace(page_from_row(row[:-1]),
                                                             holder=row[-1])
 
+    def open_pages(self, job_id: int) -> list[tuple[int, str | None]]:
+        return [(int(i), h) for i, h in self._db.conn.execute(
+            "SELECT page_index, holder FROM pages WHERE job_id = ? AND state IN "
+            "('pending', 'in_flight') ORDER BY page_index", (job_id,)).fetchall()]
+
     def claim_helped_pages(self, roots: Collection[Path],
                            limit: int) -> list[tuple[Job, int]]:
         """Lease up to ``limit`` pending pages of other live hosts' running jobs to this
