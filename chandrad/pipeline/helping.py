@@ -7,7 +7,8 @@ first), renders each from the shared input, infers it on its own engines and sto
 result fenced by the page's lease (a :class:`~chandrad.pipeline.worker.PageWorker` with
 ``helping``). A page whose lease it lost (it stalled past ``daemon.lease_s``; the owner
 took the page back) is dropped, nothing stored; a page it cannot finish (the daemon
-stops, the job ended) is given back at once. The job's owner writes the outputs once
+stops or is paused, its engine failed under the page, the job ended) is given back at
+once. The job's owner writes the outputs once
 every page is stored. On SQLite (one host) there is nothing to help with: the loop asks
 the store, which answers none without a query.
 """
@@ -55,7 +56,11 @@ class Helper:
         pages being worked on are given back)."""
         try:
             while True:
-                await self.worker.dispatching.wait()
+                if not self.worker.dispatching.is_set():
+                    # Paused: the pages of other hosts' jobs go back to their owners now
+                    # instead of waiting here for a resume.
+                    await cancel_and_wait(list(self._tasks.values()))
+                    await self.worker.dispatching.wait()
                 try:
                     self._give_back_undropped()
                     self._claim()
