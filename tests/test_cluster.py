@@ -471,7 +471,8 @@ def test_a_helping_host_killed_mid_document_leaves_its_pages_to_the_owner(
         cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
     """kill -9 of the host helping with another host's document: its page leases expire,
     the owner takes those pages back and finishes the job; the pages the helper stored are
-    kept (not computed again), none is stored twice, none is lost."""
+    kept (not computed again), none is stored twice, none is lost. Before, the helper is
+    paused (it gives its pages back at once) and resumed."""
     c = cluster
     doc = _long_pdf(corpus_dir, tmp_path / "long-36p.pdf")
     engines = _engines(tmp_path, 0.4)
@@ -493,6 +494,13 @@ def test_a_helping_host_killed_mid_document_leaves_its_pages_to_the_owner(
             return bool(stored >= 2 and held >= 2)
         wait_until(helper_busy, 60, "host b stores pages and holds more",
                    context=lambda: a.tail() + b.tail())
+        # Paused, the helper gives its pages back at once; resumed, it helps again.
+        assert b.ctl_json("pause")["state"] == "paused"
+        wait_until(lambda: c.rows("SELECT COUNT(*) FROM pages WHERE holder = 'host-b' AND "
+                                  "state IN ('pending', 'in_flight')")[0][0] == 0, 5,
+                   "the paused helper gives its pages back", context=b.tail)
+        assert b.ctl_json("resume")["state"] == "running"
+        wait_until(helper_busy, 60, "host b helps again", context=lambda: a.tail() + b.tail())
         b.kill9()
         killed = time.time()
         rows = c.rows("SELECT page_index, state, finished_at FROM pages "
