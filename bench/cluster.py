@@ -15,7 +15,12 @@ renamed into the inbox at once, timed from the first rename to the last input in
 The JSON goes to ``bench/results/DATE-cluster.json`` and a table is printed. On a shared
 2-core box the render CPU is the first limit; the ratios within one run are what counts.
 
-Usage: ``.venv/bin/python bench/cluster.py [--latency 0.5] [--concurrency 4] [--copies 8]``.
+``--one-document N``: instead, one N-page PDF (the 15-page one repeated) on PostgreSQL:
+1 host with 1 engine, 1 host with 2 engines, 2 hosts with 1 engine each (the second host
+helps with the first one's document page by page); ``DATE-cluster-one-document.json``.
+
+Usage: ``.venv/bin/python bench/cluster.py [--latency 0.5] [--concurrency 4] [--copies 8]
+[--one-document 60]``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 import psycopg  # noqa: E402
+import pymupdf  # noqa: E402
 from daemon_harness import Daemon  # noqa: E402
 from pg_server import PgServer  # noqa: E402
 from standin_engine import StandinServer  # noqa: E402
@@ -74,6 +80,15 @@ def commits(url: str) -> int:
     return int(row[0]) if row else 0
 
 
+def long_pdf(pages: int) -> bytes:
+    """The 15-page PDF repeated (and cut) to ``pages`` pages."""
+    mupdf: Any = pymupdf  # untyped
+    with mupdf.open() as out, mupdf.open(DOC) as src:
+        while out.page_count < pages:
+            out.insert_pdf(src, to_page=min(PAGES_PER_DOC, pages - out.page_count) - 1)
+        return bytes(out.tobytes())
+
+
 def one_run(root: Path, engines: list[StandinServer], hosts: int, store_url: str,
             args: argparse.Namespace) -> dict[str, Any]:
     shared = root / "spool"
@@ -93,9 +108,13 @@ def one_run(root: Path, engines: list[StandinServer], hosts: int, store_url: str
         before = commits(store_url) if store_url else 0
         staging = root / "staging"
         staging.mkdir()
-        names = [f"doc-{i:02d}.pdf" for i in range(args.copies)]
+        if args.one_document:
+            names, per_doc, body = ["long.pdf"], args.one_document, long_pdf(args.one_document)
+        else:
+            names = [f"doc-{i:02d}.pdf" for i in range(args.copies)]
+            per_doc, body = PAGES_PER_DOC, DOC.read_bytes()
         for name in names:
-            (staging / name).write_bytes(DOC.read_bytes())
+            (staging / name).write_bytes(body)
         t0 = time.monotonic()
         for name in names:
             (staging / name).rename(daemons[0].inbox / name)
@@ -103,7 +122,7 @@ def one_run(root: Path, engines: list[StandinServer], hosts: int, store_url: str
                    "every input in done/", every=0.1,
                    context=lambda: "\n".join(d.tail(20) for d in daemons))
         seconds = time.monotonic() - t0
-        pages = len(names) * PAGES_PER_DOC
+        pages = len(names) * per_doc
         capacity = len(engines) * args.concurrency / args.latency
         out: dict[str, Any] = {
             "hosts": hosts, "engines": len(engines), "store": "postgresql" if store_url
@@ -112,6 +131,10 @@ def one_run(root: Path, engines: list[StandinServer], hosts: int, store_url: str
             "of_capacity": round(pages / seconds / capacity, 3)}
         if store_url:
             out["pg_commits_per_page"] = round((commits(store_url) - before) / pages, 2)
+            with psycopg.connect(store_url, autocommit=True) as conn:
+                out["pages_by_host"] = dict(conn.execute(
+                    "SELECT COALESCE(p.holder, j.owner), COUNT(*) FROM pages p "
+                    "JOIN jobs j ON j.id = p.job_id GROUP BY 1 ORDER BY 1").fetchall())
         return out
     finally:
         for d in daemons:
@@ -125,6 +148,7 @@ def main() -> int:
     p.add_argument("--copies", type=int, default=8)
     p.add_argument("--render-workers", type=int, default=2)
     p.add_argument("--engines", default="1,2,4,8")
+    p.add_argument("--one-document", type=int, default=0, metavar="PAGES")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     counts = [int(n) for n in args.engines.split(",")]
@@ -134,10 +158,13 @@ def main() -> int:
         top = Path(tmp)
         engines = [StandinServer(top / f"engine-{i}", {"delay_s": args.latency,
                                                       "max_running": args.concurrency}).start()
-                   for i in range(max(counts))]
+                   for i in range(2 if args.one_document else max(counts))]
         try:
-            plan = [(n, 1, store) for n in counts for store in ("sqlite", "postgresql")]
-            plan += [(n, 2, "postgresql") for n in counts if n >= 2]
+            if args.one_document:
+                plan = [(1, 1, "postgresql"), (2, 1, "postgresql"), (2, 2, "postgresql")]
+            else:
+                plan = [(n, 1, store) for n in counts for store in ("sqlite", "postgresql")]
+                plan += [(n, 2, "postgresql") for n in counts if n >= 2]
             for i, (n, hosts, store) in enumerate(plan):
                 url = server.new_database() if store == "postgresql" else ""
                 row = one_run(top / f"run-{i}", engines[:n], hosts, url, args)
@@ -149,8 +176,10 @@ def main() -> int:
             server.close()
     result = {"date": dt.date.today().isoformat(), "latency_s": args.latency,
               "concurrency": args.concurrency, "copies": args.copies,
-              "render_workers": args.render_workers, "rows": rows}
-    out = args.out or REPO / "bench" / "results" / f"{result['date']}-cluster.json"
+              "render_workers": args.render_workers, "one_document": args.one_document,
+              "rows": rows}
+    name = "cluster-one-document" if args.one_document else "cluster"
+    out = args.out or REPO / "bench" / "results" / f"{result['date']}-{name}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'hosts':>5} {'engines':>7} {'store':>10} {'pages/s':>8} {'capacity':>8} "
           f"{'of cap':>6} {'commits/page':>12}")

@@ -182,6 +182,15 @@ class LeaseLost(ChandradError):
     code = "lease_lost"
 
 
+class PageTaken(LeaseLost):
+    """A page is no longer this host's to work on (a shared store): a helping host holds
+    it, or this host helped with it and its page lease expired (the job's owner took the
+    page back). This host drops that page, stores nothing for it, and carries on with the
+    rest of its work."""
+
+    code = "page_lease_lost"
+
+
 class EngineUnavailable(ChandradError):
     """The engine could not be reached or did not answer usefully (transport level)."""
 

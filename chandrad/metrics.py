@@ -78,6 +78,9 @@ class ClusterView(Protocol):
     @property
     def takeovers(self) -> int: ...
 
+    @property
+    def pages_helped(self) -> int: ...
+
 
 class StoreView(Protocol):
     def counts(self) -> dict[str, int]: ...
@@ -172,6 +175,9 @@ def _cluster(cluster: ClusterView) -> Iterator[Metric]:
     yield CounterMetricFamily("chandrad_lease_takeovers", "Jobs this host took over from "
                               "another host whose lease had expired, since it started.",
                               value=float(cluster.takeovers))
+    yield CounterMetricFamily("chandrad_pages_helped", "Pages of jobs other hosts own that "
+                              "this host inferred and stored (it helped with their "
+                              "documents), since it started.", value=float(cluster.pages_helped))
 
 
 class DaemonCollector(Collector):

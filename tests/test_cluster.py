@@ -5,9 +5,11 @@ socket, watch one inbox and share ``daemon.store = "postgresql://…"`` (the ses
 server, tests/pg_server.py) and one stand-in engine (``engine.url``). Leases are short
 (``daemon.lease_s = 3``) so a takeover fits in seconds. What must hold: every file is
 done exactly once with the outputs a single daemon writes; a daemon killed mid-document
-has its job finished by the other, no page stored twice; ``pg_ctl restart`` mid-run loses
-nothing; a server unreachable at start is retried with ``STATUS=`` saying why; a job
-retried on one host is started at once by an idle other (LISTEN/NOTIFY).
+has its job finished by the other, no page stored twice; one long document is inferred
+on both hosts' engines, page by page, and a helping host killed mid-document has its pages
+finished by the owner; ``pg_ctl restart`` mid-run loses nothing; a server unreachable at
+start is retried with ``STATUS=`` saying why; a job retried on one host is started at once
+by an idle other (LISTEN/NOTIFY).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import socket
 import time
 import urllib.request
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pymupdf
 import pytest
 from daemon_harness import Daemon, drop, free_port
 from pg_server import PORT, PgServer
@@ -65,8 +69,11 @@ class Cluster:
     shared: Path
     made: list[Daemon]
 
-    def host(self, name: str, **env: str) -> HostDaemon:
-        d = HostDaemon(self.shared.parent / name, f'[engine]\nurl = "{self.engine.url}"\n',
+    def host(self, name: str, engine: StandinServer | None = None, **env: str) -> HostDaemon:
+        url = (engine or self.engine).url
+        # An engine of its own is declared with its real concurrency (a GPU's shape).
+        seqs = "[engine.memory]\nmax_num_seqs = 2\n" if engine else ""
+        d = HostDaemon(self.shared.parent / name, f'[engine]\nurl = "{url}"\n{seqs}',
                        settle=0.3, poll_interval=0.3, tables=NO_METRICS, shared=self.shared,
                        store=self.url, host_id=name, env=env)
         self.made.append(d)
@@ -108,6 +115,29 @@ def _outputs(folder: Path) -> dict[str, str]:
     JSON holds timings, which differ from run to run)."""
     return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*"))
             if p.suffix in (".md", ".html")}
+
+
+def _compare_outputs(cluster: dict[str, str], single: dict[str, str], cluster_sent: set[str],
+                     single_sent: set[str]) -> list[str]:
+    """Assert the cluster's outputs are the single host's, line by line; a page's line
+    may differ only where the two rendered that page to different PNGs (each engine was
+    sent its own: the stand-in's answer names the image's sha256), which happens now and
+    then whatever the store. Those pages, as ``file: line``."""
+    assert set(cluster) == set(single) and single, (sorted(cluster), sorted(single))
+    differed = []
+    for name in sorted(single):
+        ours, theirs = cluster[name].splitlines(), single[name].splitlines()
+        assert len(ours) == len(theirs), (name, cluster[name], single[name])
+        for mine, other in zip(ours, theirs, strict=True):
+            if mine == other:
+                continue
+            sha, other_sha = (re.search(r"stand-in page ([0-9a-f]{16})", line)
+                              for line in (mine, other))
+            assert sha and other_sha and mine.replace(sha[1], other_sha[1]) == other, (
+                name, mine, other)
+            assert sha[1] in cluster_sent and other_sha[1] in single_sent, (name, mine, other)
+            differed.append(f"{name}: {mine.strip()} (single host: {other_sha[1]})")
+    return differed
 
 
 def _pages(c: Cluster) -> list[tuple[str, int, str, int, float | None]]:
@@ -395,3 +425,134 @@ def test_an_idle_host_starts_a_job_retried_on_another_host_at_once(
     print("retry on host a -> started on host b: "
           + ", ".join(f"{s * 1000:.0f} ms" for s in took))
     assert sorted(took)[1] < 0.3, took  # the median: one stall of a loaded box aside
+
+
+LONG_PAGES = 36
+
+
+def _long_pdf(corpus_dir: Path, path: Path) -> Path:
+    """A 36-page PDF: the 15-page document twice, then its first 6 pages."""
+    mupdf: Any = pymupdf  # untyped
+    with mupdf.open() as out, mupdf.open(corpus_dir / "good" / LONG) as src:
+        out.insert_pdf(src)
+        out.insert_pdf(src)
+        out.insert_pdf(src, from_page=0, to_page=5)
+        assert out.page_count == LONG_PAGES
+        out.save(path)
+    return path
+
+
+def _engines(tmp_path: Path, delay_s: float) -> dict[str, StandinServer]:
+    """One stand-in engine per host (two pages at once), to count whose engine did what."""
+    return {name: StandinServer(tmp_path / f"engine-{name}", {"delay_s": delay_s,
+                                                              "max_running": 2}).start()
+            for name in ("host-a", "host-b")}
+
+
+def test_one_long_document_is_inferred_by_both_hosts_page_by_page(
+        cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
+    """Two hosts, one 36-page PDF: the host that does not own the job helps with its pages
+    (renders them from the shared inbox, infers them on its own engine, stores them under
+    its page lease); every page is stored once, and the outputs are a single daemon's."""
+    c = cluster
+    doc = _long_pdf(corpus_dir, tmp_path / "long-36p.pdf")
+    engines = _engines(tmp_path, 0.3)
+    try:
+        single = Daemon(tmp_path / "single", f'[engine]\nurl = "{c.engine.url}"\n',
+                        settle=0.3, poll_interval=0.3, tables=NO_METRICS)
+        c.made.append(single)
+        hosts = {name: c.host(name, engine) for name, engine in engines.items()}
+        for d in (single, *hosts.values()):
+            d.start()
+        for d in (single, *hosts.values()):
+            d.wait_answering(60)
+        drop(doc, single.inbox)
+        drop(doc, c.shared / "inbox")
+        single.wait_jobs_final({doc.name}, 120)
+        c.wait_final({doc.name}, 120, *hosts.values())
+        state, owner = c.jobs()[doc.name]
+        assert state == "done" and owner is not None
+        helper = next(h for h in hosts if h != owner)
+        pages = c.rows("SELECT page_index, state, attempts, holder FROM pages ORDER BY 1")
+        assert [(i, s, a) for i, s, a, _ in pages] == [
+            (i, "done", 1) for i in range(LONG_PAGES)]
+        helped = sum(holder == helper for *_, holder in pages)
+        chats = {name: len(e.chats()) for name, e in engines.items()}
+        # Both hosts' engines inferred pages of the one document, each page once.
+        assert chats[helper] == helped > 0 and chats[owner] == LONG_PAGES - helped > 0, chats
+        renders_differed = _compare_outputs(
+            _outputs(c.shared / "output"), _outputs(single.output),
+            {m["sha256"][:16] for e in engines.values() for m in e.chats()},
+            {m["sha256"][:16] for m in c.engine.chats()})
+        assert [p.name for p in c.shared.joinpath("done").iterdir()] == [doc.name]
+        view = json.loads(hosts[owner].ctl("status", "--cluster", "--json", "--config",
+                                           str(hosts[owner].config)).stdout)
+        assert all(h["pages_helping"] == 0 for h in view["hosts"])
+        print(f"pages inferred per host: {chats} (owner {owner}); page renders unlike the "
+              f"single daemon's: {renders_differed or 'none'}")
+    finally:
+        for e in engines.values():
+            e.stop()
+
+
+def test_a_helping_host_killed_mid_document_leaves_its_pages_to_the_owner(
+        cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
+    """kill -9 of the host helping with another host's document: its page leases expire,
+    the owner takes those pages back and finishes the job; the pages the helper stored are
+    kept (not computed again), none is stored twice, none is lost. Before, the helper is
+    paused (it gives its pages back at once) and resumed."""
+    c = cluster
+    doc = _long_pdf(corpus_dir, tmp_path / "long-36p.pdf")
+    engines = _engines(tmp_path, 0.4)
+    try:
+        a = c.host("host-a", engines["host-a"])
+        a.start()
+        a.wait_answering(60)
+        drop(doc, a.inbox)
+        wait_until(lambda: c.jobs().get(doc.name, ("", None))[1] == "host-a" and c.rows(
+            "SELECT COUNT(*) FROM pages")[0][0] == LONG_PAGES, 60, "host a runs the job",
+            context=a.tail)
+        b = c.host("host-b", engines["host-b"])
+        b.start()
+
+        def helper_busy() -> bool:
+            (stored, held), = c.rows(
+                "SELECT COUNT(*) FILTER (WHERE state = 'done'), COUNT(*) FILTER (WHERE "
+                "state IN ('pending', 'in_flight')) FROM pages WHERE holder = 'host-b'")
+            return bool(stored >= 2 and held >= 2)
+        wait_until(helper_busy, 60, "host b stores pages and holds more",
+                   context=lambda: a.tail() + b.tail())
+        # Paused, the helper gives its pages back at once; resumed, it helps again.
+        assert b.ctl_json("pause")["state"] == "paused"
+        wait_until(lambda: c.rows("SELECT COUNT(*) FROM pages WHERE holder = 'host-b' AND "
+                                  "state IN ('pending', 'in_flight')")[0][0] == 0, 5,
+                   "the paused helper gives its pages back", context=b.tail)
+        assert b.ctl_json("resume")["state"] == "running"
+        wait_until(helper_busy, 60, "host b helps again", context=lambda: a.tail() + b.tail())
+        b.kill9()
+        killed = time.time()
+        rows = c.rows("SELECT page_index, state, finished_at FROM pages "
+                      "WHERE holder = 'host-b'")
+        before = {i: f for i, s, f in rows if s == "done"}
+        held = {i for i, s, _ in rows if s in ("pending", "in_flight")}
+        c.wait_final({doc.name}, 90, a)
+        assert c.jobs()[doc.name] == ("done", "host-a")
+        pages = c.rows("SELECT page_index, state, attempts, holder, finished_at FROM pages "
+                       "ORDER BY 1")
+        assert [(i, s, att) for i, s, att, _, _ in pages] == [
+            (i, "done", 1) for i in range(LONG_PAGES)]
+        # The helper's stored pages were kept as they were; the ones it held went back.
+        assert {i: f for i, _, _, h, f in pages if h == "host-b"} == before
+        taken_back = {i: f for i, _, _, h, f in pages if i in held}
+        assert held and all(pages[i][3] is None for i in held)  # done by the owner
+        after_s = min(taken_back.values()) - killed
+        md = list(c.shared.joinpath("output").rglob("*.md"))
+        assert len(md) == 1 and md[0].read_text().count("stand-in page") == LONG_PAGES
+        assert [p.name for p in c.shared.joinpath("done").iterdir()] == [doc.name]
+        log = a.log_path.read_text()
+        assert "pages_reclaimed" in log and "job_failed" not in log and a.alive()
+        print(f"helper killed: {len(before)} of its pages kept, {len(held)} taken back by "
+              f"the owner, the first stored {after_s:.1f} s after the kill (lease {LEASE_S} s)")
+    finally:
+        for e in engines.values():
+            e.stop()

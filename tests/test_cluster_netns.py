@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ import pytest
 from daemon_harness import OCR, Daemon, drop, free_port
 from pg_server import PgServer
 from standin_engine import StandinServer
-from test_cluster import LEASE_S, LONG, NO_METRICS, HostDaemon, _outputs
+from test_cluster import LEASE_S, LONG, NO_METRICS, HostDaemon, _compare_outputs, _outputs
 from test_job_errors import Notify
 from waiting import wait_until
 
@@ -164,29 +163,6 @@ def _tree(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``folder``: relative path → (size, mtime in ns)."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _compare_outputs(cluster: dict[str, str], single: dict[str, str], cluster_sent: set[str],
-                     single_sent: set[str]) -> list[str]:
-    """Assert the cluster's outputs are the single host's, line by line; a page's line
-    may differ only where the two rendered that page to different PNGs (each engine was
-    sent its own: the stand-in's answer names the image's sha256), which happens now and
-    then whatever the store. Those pages, as ``file: line``."""
-    assert set(cluster) == set(single) and single, (sorted(cluster), sorted(single))
-    differed = []
-    for name in sorted(single):
-        ours, theirs = cluster[name].splitlines(), single[name].splitlines()
-        assert len(ours) == len(theirs), (name, cluster[name], single[name])
-        for mine, other in zip(ours, theirs, strict=True):
-            if mine == other:
-                continue
-            sha, other_sha = (re.search(r"stand-in page ([0-9a-f]{16})", line)
-                              for line in (mine, other))
-            assert sha and other_sha and mine.replace(sha[1], other_sha[1]) == other, (
-                name, mine, other)
-            assert sha[1] in cluster_sent and other_sha[1] in single_sent, (name, mine, other)
-            differed.append(f"{name}: {mine.strip()} (single host: {other_sha[1]})")
-    return differed
 
 
 def _events(d: Daemon, event: str) -> list[dict[str, Any]]:

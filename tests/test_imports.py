@@ -56,6 +56,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.store.api", "chandrad.store.pg_check",
                 "chandrad.store.postgres", "chandrad.store.pg_database",
                 "chandrad.store.pg_schema", "chandrad.store.leases", "chandrad.store.pg_listen",
+                "chandrad.store.page_leases",
                 "chandrad.watch", "chandrad.render", "chandrad.outputs",
                 "chandrad.systemd", "chandrad.logs", "chandrad.model_files", "chandrad.fetch",
                 "chandrad.metrics"),
@@ -63,6 +64,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.engine.generation", "chandrad.engine.dispatch", "chandrad.pipeline",
                 "chandrad.pipeline.scheduler", "chandrad.pipeline.intake",
                 "chandrad.pipeline.jobs", "chandrad.pipeline.worker", "chandrad.pipeline.content",
+                "chandrad.pipeline.helping",
                 "chandrad.pipeline.waits",
                 "chandrad.engine.flagcheck", "chandrad.engine.probe", "chandrad.engine.spawn",
                 "chandrad.engine.keeper", "chandrad.engine.planning",
@@ -192,7 +194,8 @@ def test_the_daemon_parts_do_not_import_the_daemon_back() -> None:
 
 #: The pipeline package, top to bottom: each module imports only those after it, so the
 #: page worker and its attempts policy never reach back into the scheduler.
-PIPELINE_ORDER = ("scheduler", "waits", "intake", "jobs", "worker", "attempts", "limits", "content")
+PIPELINE_ORDER = ("scheduler", "waits", "intake", "helping", "jobs", "worker", "attempts",
+                  "limits", "content")
 
 
 def test_the_pipeline_package_imports_downwards() -> None:

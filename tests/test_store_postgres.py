@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pg_server import PgServer
 
-from chandrad.errors import HostIdInUse, LeaseLost, StoreUnreachable
+from chandrad.errors import HostIdInUse, LeaseLost, PageTaken, StoreUnreachable
 from chandrad.states import JobState, PageState
 from chandrad.store.pg_database import PgDatabase, session_params
 from chandrad.store.postgres import PgStore
@@ -236,3 +236,43 @@ def test_a_hosts_sessions_bound_a_silent_peer_by_its_lease(pg_server: PgServer) 
     assert params["tcp_user_timeout"] == 2000 and params["keepalives"] == 1
     assert "-c tcp_user_timeout=2000 " in params["options"]
     assert "tcp_user_timeout" not in session_params(url + "&tcp_user_timeout=500", 6.0)
+
+
+def test_pages_of_a_running_job_are_leased_to_a_helper_and_fenced_by_page(
+        hosts: Callable[..., PgStore]) -> None:
+    """A helper leases pending pages of another live host's running job, last first;
+    the owner's steps on them raise PageTaken; the helper's heartbeat renews them; a
+    silent helper's pages expire, the owner takes them back, and the helper's late
+    answer is refused (PageTaken) while the page it stored before is kept."""
+    a, b = hosts("host-a", lease_s=1.0), hosts("host-b", lease_s=1.0)
+    job_id = _accept(a, "doc.pdf")
+    assert job_id is not None and [j.id for j in a.next_jobs([ROOT], (), 5)] == [job_id]
+    assert b.claim_helped_pages([ROOT], 2) == []  # pending, not running: nothing to help
+    a.set_job_state(job_id, JobState.RUNNING)
+    a.init_pages(job_id, 5)
+    assert a.claim_helped_pages([ROOT], 5) == []  # its own job: not helping
+    claimed = b.claim_helped_pages([ROOT], 2)
+    assert [(j.id, i) for j, i in claimed] == [(job_id, 3), (job_id, 4)]
+    assert [p.holder for p in a.pages(job_id)] == [None, None, None, "host-b", "host-b"]
+    with pytest.raises(PageTaken):
+        a.claim_page(job_id, 4)  # the owner leaves it to the helper
+    b.claim_page(job_id, 4, helped=True)
+    b.finish_page(job_id, 4, result={"markdown": "p5"}, width=1, height=1, seconds=0.1,
+                  helped=True)
+    b.claim_page(job_id, 3, helped=True)
+    with pytest.raises(PageTaken):
+        b.claim_page(job_id, 2, helped=True)  # not leased to it
+    time.sleep(1.2)  # longer than the lease: the heartbeat (every lease_s / 3) kept it
+    assert a.reclaim_pages(job_id) == 0
+    b._keeper.stop()  # host b goes silent
+    time.sleep(1.2)
+    assert a.reclaim_pages(job_id) == 1
+    with pytest.raises(PageTaken):
+        b.finish_page(job_id, 3, result={"markdown": "late"}, width=1, height=1, seconds=1,
+                      helped=True)
+    pages = a.pages(job_id)
+    assert [(p.state, p.holder) for p in pages[3:]] == [
+        (PageState.PENDING, None), (PageState.DONE, "host-b")]
+    assert pages[3].attempts == 0 and pages[3].releases == 1
+    assert pages[4].result == {"markdown": "p5"} and b.pages_helped == 1
+    a.claim_page(job_id, 3)  # the owner's again

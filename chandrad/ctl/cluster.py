@@ -4,7 +4,8 @@ Reads ``daemon.store`` from the config (``--config``, else ``$CHANDRAD_CONFIG``,
 ``/etc/chandrad/chandrad.toml``) and asks the database, not a daemon: it answers while
 hosts are down, which is when it is wanted. Per host: up, silent (no heartbeat within its
 lease: dead, stalled or cut off; the others take its jobs) or stopped; its jobs running
-and waiting, pages in flight and done in the last minute, leases expired.
+and waiting, pages in flight and done in the last minute (of its jobs and those it helps
+with), pages it holds of other hosts' jobs (helping), leases expired.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from chandrad.store.postgres import cluster_status
 COLUMNS = (("host", "host"), ("state", "state"), ("seen_s_ago", "seen s ago"),
            ("jobs_running", "running"), ("jobs_waiting", "waiting"),
            ("pages_in_flight", "in flight"), ("pages_done_1m", "pages/min"),
-           ("leases_expired", "expired"))
+           ("pages_helping", "helping"), ("leases_expired", "expired"))
 
 
 def run_cluster(config: Path | None, as_json: bool, out: TextIO) -> int:

@@ -249,6 +249,8 @@ class Daemon:
                          describe=describe_item)
         self.tasks.start("dispatch", pipeline.dispatch_loop, quarantine=pipeline.quarantine,
                          describe=describe_item)
+        if cfg.daemon.store_url:  # a shared store: help with other hosts' jobs
+            self.tasks.start("helping", pipeline.helper.loop)
         if self.batch is not None:
             self.tasks.start("batch", self._run_batch)
         else:

@@ -10,15 +10,17 @@ below it in this list:
 - ``intake``: settled files (:class:`Settled`) hashed and accepted in batches; the store's
   room (``store_full``);
 - ``waits``: why a job is not started now (back-off, hold, store wait) and until when;
+- ``helping``: pages of other hosts' jobs this host works on while it has room (a shared
+  store);
 - ``jobs``: one dispatched job's life: probe, its pages, outputs, the input moved;
 - ``worker``: one page: render → slot → request → post-process → commit;
 - ``attempts``: the page's retry, charge and refit rules as decisions (pure);
 - ``limits``: the render-ahead window, the requests in flight, the post-processing bound;
 - ``content``: an input by its content (hashes, a recorded move found again).
 
-The intake and dispatch loops run under ``chandrad.tasks`` supervision (wired by the
-daemon); intake declares the item it works on, and :meth:`Pipeline.quarantine` moves an
-item that crashed a loop out of the way.
+The intake, dispatch and (on a shared store) helping loops run under ``chandrad.tasks``
+supervision (wired by the daemon); intake declares the item it works on, and
+:meth:`Pipeline.quarantine` moves an item that crashed a loop out of the way.
 """
 
 from chandrad.pipeline.attempts import MAX_FREE_RELEASES, PagePolicy

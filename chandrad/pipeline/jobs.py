@@ -7,6 +7,11 @@ starts or resumes and before it is moved, and a replaced file is queued as new c
 recorded before the move, so a crash between the move and its outcome is completed at
 resume. Outputs are written from the store, so a restart rebuilds them.
 
+On a shared store other hosts may help with the job's pages
+(``chandrad.pipeline.helping``): the owner leaves those pages to them, waits until they
+are stored (taking back any whose helper's lease expired), and writes the outputs once, as
+a single host does.
+
 Errors that end the job's run are the scheduler's to judge (``chandrad.pipeline.scheduler``):
 failed, held, waiting for the store, or backing off.
 """
@@ -36,6 +41,10 @@ from chandrad.store import Job, StoreBackend
 
 log = structlog.get_logger("chandrad.pipeline")
 
+#: Seconds between looks at the pages helping hosts hold, once this host's own are done.
+HELPED_POLL_S = 0.5
+_OPEN = (PageState.PENDING, PageState.IN_FLIGHT)
+
 
 class JobRunner:
     """Runs one dispatched job to its outcome; raises what it cannot record."""
@@ -59,26 +68,50 @@ class JobRunner:
         # One transaction sets ``pages_total`` and creates the pages (each write
         # transaction is an fsync on the event loop's thread, paid per one-page file).
         self.store.init_pages(job.id, info.page_count)
+        self.store.reclaim_pages(job.id)
         pages = self.store.pages(job.id)
         for p in pages:
-            if p.state is PageState.IN_FLIGHT:  # a claim a full store kept from release
+            # A claim a full store kept from release (not a helping host's page).
+            if p.state is PageState.IN_FLIGHT and p.holder is None:
                 self.store.release_page(job.id, p.index)
-        todo = [p.index for p in pages if p.state in (PageState.PENDING, PageState.IN_FLIGHT)]
+        todo = [p.index for p in pages if p.state in _OPEN and p.holder is None]
         try:
-            # A TaskGroup, not gather: when one page raises, its siblings are cancelled
-            # instead of running on for a job that has failed.
-            async with asyncio.TaskGroup() as group:
-                for i in todo:
-                    group.create_task(self.worker.run(job, i))
-        except BaseExceptionGroup as failed:
-            raise failed.exceptions[0] from None
+            while True:
+                left = await self._run_pages(job, todo)
+                # Pages helping hosts hold (a shared store): wait until they are stored,
+                # taking back (and running) any whose helper's lease expired.
+                if reclaimed := self.store.reclaim_pages(job.id):
+                    log.warning("pages_reclaimed", job=job.id, pages=reclaimed,
+                                reason="the lease of the host helping with them expired")
+                still = self.store.open_pages(job.id)
+                held = [i for i, holder in still if holder is not None]
+                todo = [i for i, holder in still if holder is None]
+                # Done once no helper holds a page and none was left to or taken back
+                # from one (a single host's store: always after the first pass).
+                if not held and (not todo or not (left or reclaimed)):
+                    break
+                if not todo:
+                    await asyncio.sleep(HELPED_POLL_S)
         finally:
             # A cancelled page leaves its claim behind; give it back so the page can
             # be claimed again (a retry, a resume) instead of being stuck in flight.
             for page in self.store.pages(job.id):
-                if page.state is PageState.IN_FLIGHT:
+                if page.state is PageState.IN_FLIGHT and page.holder is None:
                     self.store.release_page(job.id, page.index)
         await self._finish(job, watch, started)
+
+    async def _run_pages(self, job: Job, todo: list[int]) -> int:
+        """Run pages of the job at once; returns how many were left to a helping host."""
+        if not todo:
+            return 0
+        try:
+            # A TaskGroup, not gather: when one page raises, its siblings are cancelled
+            # instead of running on for a job that has failed.
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.worker.run(job, i)) for i in todo]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        return sum(1 for t in tasks if not t.result())
 
     async def same_content(self, job: Job, watch: WatchConfig) -> bool:
         """Whether the input still holds the content the job was accepted with; when it

@@ -46,6 +46,7 @@ from chandrad.errors import (
 )
 from chandrad.events import Event
 from chandrad.interfaces import EngineHandle, Observer
+from chandrad.pipeline.helping import Helper
 from chandrad.pipeline.intake import Intake, Settled, StoreRoom
 from chandrad.pipeline.jobs import JobRunner
 from chandrad.pipeline.limits import Limits
@@ -53,7 +54,7 @@ from chandrad.pipeline.waits import JobWaits
 from chandrad.pipeline.worker import PageWorker
 from chandrad.protocol import HeldJob, HeldStatus
 from chandrad.render import RenderPool
-from chandrad.states import PIPELINE_TRANSITIONS, JobState, PageState, PipelineMode
+from chandrad.states import PIPELINE_TRANSITIONS, EngineState, JobState, PageState, PipelineMode
 from chandrad.store import Job, StoreBackend
 from chandrad.tasks import cancel_and_wait
 
@@ -85,6 +86,11 @@ class Pipeline:
         self.intake = Intake(config, store, self._room, self._wake.set)
         self.worker = PageWorker(config, store, engine, render, self.limits, self._dispatching)
         self.jobs = JobRunner(config, store, engine, render, self.worker, self._wake.set)
+        # Pages of other hosts' jobs (a shared store), on the same request slots.
+        self.helper = Helper(store, PageWorker(config, store, engine, render, self.limits,
+                                               self._dispatching, helping=True),
+                             self.worker, lambda: list(self._watches_by_root()),
+                             self._own_work)
         self._active: dict[int, asyncio.Task[None]] = {}
         self._active_paths: dict[int, Path] = {}
         self.waits = JobWaits()
@@ -120,6 +126,7 @@ class Pipeline:
         """A reload: every part reads the new config from its next use on."""
         self._config = config
         self.intake.config = self.worker.config = self.jobs.config = config
+        self.helper.worker.config = config
 
     @property
     def observer(self) -> Observer | None:
@@ -128,7 +135,7 @@ class Pipeline:
 
     @observer.setter
     def observer(self, observer: Observer | None) -> None:
-        self.worker.observer = observer
+        self.worker.observer = self.helper.worker.observer = observer
 
     @property
     def store_full(self) -> str:
@@ -150,7 +157,7 @@ class Pipeline:
     @property
     def pages_waiting(self) -> int:
         """Rendered pages waiting for a request slot."""
-        return self.worker.pages_waiting
+        return self.worker.pages_waiting + self.helper.worker.pages_waiting
 
     def _request_limit(self) -> int:
         if self._config.ocr.max_in_flight:
@@ -187,6 +194,15 @@ class Pipeline:
                 async with asyncio.timeout(self.poll_s):
                     await self._wake.wait()
             await self.limits.poke()
+
+    def _own_work(self) -> bool:
+        """Whether this host is not to help now: it has work of its own first (pages
+        waiting for a request slot, room for a job while jobs wait to start), its engines
+        are not ready, or it starts no work (stopping)."""
+        return (not self._mode.starts_jobs or self.engine.state is not EngineState.READY
+                or self.worker.pages_waiting > 0
+                or (len(self._active) < self._job_slots()
+                    and self.store.counts().get(JobState.PENDING.value, 0) > 0))
 
     def _job_slots(self) -> int:
         """Jobs running at once: as many as the window has pages (one-page files fill
@@ -406,7 +422,7 @@ class Pipeline:
     @property
     def pages_answering(self) -> int:
         """Pages sent to an engine whose answer is not stored yet."""
-        return self.worker.pages_answering
+        return self.worker.pages_answering + self.helper.worker.pages_answering
 
     @property
     def request_limit(self) -> int:
@@ -437,7 +453,7 @@ class Pipeline:
                 await task
         with contextlib.suppress(LeaseLost):  # another host's job (a shared store): its
             for page in self.store.pages(job_id):  # pages are that host's to release
-                if page.state is PageState.IN_FLIGHT:
+                if page.state is PageState.IN_FLIGHT and page.holder is None:
                     self.store.release_page(job_id, page.index)
         self.waits.forget(job_id)
         job = self.store.get(job_id)

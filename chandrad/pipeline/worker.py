@@ -25,7 +25,13 @@ import structlog
 from chandrad import model_files, ocr
 from chandrad.config import Config
 from chandrad.engine.profile import PIXELS_PER_IMAGE_TOKEN, estimate_prompt_tokens
-from chandrad.errors import EngineUnavailable, InputError, RenderCrashed, RenderTimeout
+from chandrad.errors import (
+    EngineUnavailable,
+    InputError,
+    PageTaken,
+    RenderCrashed,
+    RenderTimeout,
+)
 from chandrad.events import Event
 from chandrad.interfaces import ChatBody, EngineHandle, EngineTarget, Observer
 from chandrad.pipeline.attempts import (
@@ -40,7 +46,7 @@ from chandrad.pipeline.attempts import (
 from chandrad.pipeline.limits import Limits, Slot
 from chandrad.render import RenderPool
 from chandrad.states import PageState
-from chandrad.store import Job, StoreBackend
+from chandrad.store import Job, Page, StoreBackend
 
 log = structlog.get_logger("chandrad.pipeline")
 
@@ -61,13 +67,45 @@ class _Sent:
     started: float  # monotonic
 
 
+class _HelpedSteps:
+    """The store's page steps for pages of another host's job leased to this host
+    (``helped``: fenced by the page's lease, not the job's)."""
+
+    def __init__(self, store: StoreBackend) -> None:
+        self._store = store
+
+    def page(self, job_id: int, index: int) -> Page | None:
+        return self._store.page(job_id, index)
+
+    def claim_page(self, job_id: int, index: int) -> None:
+        self._store.claim_page(job_id, index, helped=True)
+
+    def finish_page(self, job_id: int, index: int, *, result: dict[str, Any], width: int,
+                    height: int, seconds: float) -> None:
+        self._store.finish_page(job_id, index, result=result, width=width, height=height,
+                                seconds=seconds, helped=True)
+
+    def fail_page(self, job_id: int, index: int, error: str) -> None:
+        self._store.fail_page(job_id, index, error, helped=True)
+
+    def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
+        self._store.release_page(job_id, index, charge=charge, helped=True)
+
+
 class PageWorker:
-    """Runs pages: :meth:`run` is one page, start to end (many run at once)."""
+    """Runs pages: :meth:`run` is one page, start to end (many run at once).
+
+    ``helping``: the pages are other hosts' (``chandrad.pipeline.helping``), each leased
+    to this host; otherwise they are of this host's own jobs, and a page a helping host
+    holds is left to it (PageTaken: the page is dropped, nothing stored).
+    """
 
     def __init__(self, config: Config, store: StoreBackend, engine: EngineHandle,
-                 render: RenderPool, limits: Limits, dispatching: asyncio.Event) -> None:
+                 render: RenderPool, limits: Limits, dispatching: asyncio.Event,
+                 helping: bool = False) -> None:
         self.config = config
-        self.store = store
+        self.helping = helping
+        self.store: StoreBackend | _HelpedSteps = _HelpedSteps(store) if helping else store
         self.engine = engine
         self.render = render
         self.limits = limits
@@ -81,13 +119,25 @@ class PageWorker:
         self.observer: Observer | None = None  # metrics: page outcomes and latencies
         self._patch_pixels: tuple[str, int] | None = None  # (model, pixels per image token)
 
-    async def run(self, job: Job, index: int) -> None:
-        """Render, infer and commit page ``index``; a page that fails is recorded failed."""
+    async def run(self, job: Job, index: int) -> bool:
+        """Render, infer and commit page ``index``; a page that fails is recorded failed.
+        False: the page is not this host's (any more): nothing was stored for it."""
+        try:
+            await self._run(job, index)
+        except PageTaken as exc:
+            log.info("page_left", job=job.id, page=index + 1, holder=exc.details.get("owner"),
+                     reason=exc.message)
+            return False
+        return True
+
+    async def _run(self, job: Job, index: int) -> None:
         window = Slot(self.limits.window)
         await window.acquire()
         t0 = time.monotonic()
         try:
             await self.dispatching.wait()
+            if not self.helping and _held(self.store.page(job.id, index)):
+                return  # a helping host took (or did) it meanwhile: not rendered here
             t0 = time.monotonic()
             page = await self._render(job, index)
             render_s = time.monotonic() - t0
@@ -136,7 +186,12 @@ class PageWorker:
             body = ocr.encode_chat_request(
                 page, model=target.served_model_name, prompt_type=self.config.ocr.prompt_type,
                 max_output_tokens=max_tokens, temperature=send.temperature, top_p=send.top_p)
-            self.store.claim_page(job.id, index)
+            try:
+                self.store.claim_page(job.id, index)
+            except BaseException:  # not ours any more, or no store: the slot goes back
+                self.engine.release(target)
+                await self.limits.inflight.release()
+                raise
             sent = _Sent(target, max_tokens, time.monotonic())
             self.pages_answering += 1
             try:
@@ -203,6 +258,10 @@ class PageWorker:
             else:
                 # The engine failed under the page: give it back, uncharged, and wait.
                 self.store.release_page(job.id, index)
+            if self.helping:  # another host's page: not held while this engine recovers
+                raise PageTaken(f"the engine failed under page {index + 1} of job {job.id}, "
+                                "another host's; this host gives it back", job=job.id,
+                                page=index) from exc
             await asyncio.sleep(failed.pause_s)
             return None
         except ValueError as exc:
@@ -261,6 +320,11 @@ class PageWorker:
             found = model_files.pixels_per_image_token(model)
             self._patch_pixels = (model, found or PIXELS_PER_IMAGE_TOKEN)
         return self._patch_pixels[1]
+
+
+def _held(page: Page | None) -> bool:
+    """Whether a helping host holds the page, or did it."""
+    return page is not None and page.holder is not None
 
 
 def _reply_text(reply: dict[str, Any]) -> tuple[str, str | None]:

@@ -1,11 +1,12 @@
-"""Keeping a host's job leases alive on PostgreSQL: a heartbeat thread, its own connection.
+"""Keeping a host's leases alive on PostgreSQL: a heartbeat thread, its own connection.
 
-:class:`LeaseKeeper` extends ``lease_until`` of every open job this host owns, every
-``lease_s / 3`` seconds, on a connection of its own (the event loop's connection is used
-from one thread). It runs while the process lives: a host killed stops renewing, and its
-jobs' leases expire ``lease_s`` after the last beat at most. Lease times are the server's
-clock (``NOW``), so hosts' clocks need not agree. A lost server is retried at the next
-beat; a beat that fails says so once in the journal.
+:class:`LeaseKeeper` extends ``lease_until`` of every open job this host owns and
+``hold_until`` of every open page it holds for another host's job, every
+``lease_s / 3`` seconds (one statement), on a connection of its own (the event loop's
+connection is used from one thread). It runs while the process lives: a host killed stops
+renewing, and its jobs' and pages' leases expire ``lease_s`` after the last beat at most.
+Lease times are the server's clock (``NOW``), so hosts' clocks need not agree. A lost
+server is retried at the next beat; a beat that fails says so once in the journal.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ log = structlog.get_logger("chandrad.store")
 
 #: The server's clock in seconds since the epoch, as SQL.
 NOW = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
+#: The page states in which a helping host's page lease counts (open pages).
+HELD_STATES = "('pending', 'in_flight')"
 
 
 class LeaseKeeper:
@@ -56,20 +59,27 @@ class LeaseKeeper:
     def beat(self) -> int:
         """Renew this host's leases and its ``hosts`` row now; returns how many jobs."""
         with self._db.tx() as c:
+            # One statement, one round trip: the pages this host holds for other hosts'
+            # jobs, its ``hosts`` row and its jobs.
             n = c.execute(
+                f"WITH p AS (UPDATE pages SET hold_until = {NOW} + ? WHERE holder = ? "
+                f"AND state IN {HELD_STATES} RETURNING 1), "
+                f"h AS (UPDATE hosts SET seen_at = {NOW} WHERE host = ? RETURNING 1) "
                 f"UPDATE jobs SET lease_until = {NOW} + ? WHERE owner = ? "
                 "AND state IN ('pending', 'running', 'held')",
-                (self._lease_s, self._host)).rowcount
-            c.execute(f"UPDATE hosts SET seen_at = {NOW} WHERE host = ?", (self._host,))
+                (self._lease_s, self._host, self._host, self._lease_s, self._host)).rowcount
         self.beats += 1
         return int(n)
 
     def give_back(self) -> None:
-        """End this host's leases now (a clean stop): other hosts may take its jobs."""
+        """End this host's leases now (a clean stop): other hosts may take its jobs and
+        the pages it held."""
         try:
             with self._db.tx() as c:
                 c.execute(f"UPDATE jobs SET lease_until = {NOW} WHERE owner = ? "
                           "AND state IN ('pending', 'running', 'held')", (self._host,))
+                c.execute(f"UPDATE pages SET hold_until = {NOW} WHERE holder = ? "
+                          f"AND state IN {HELD_STATES}", (self._host,))
                 c.execute(f"UPDATE hosts SET stopped_at = {NOW} WHERE host = ?", (self._host,))
         except StoreFull as exc:
             log.warning("leases_not_given_back", reason=exc.message,

@@ -111,23 +111,44 @@ class TableStore:
         """One page of a job, or ``None``."""
         return self._pages.page(job_id, index)
 
-    def claim_page(self, job_id: int, index: int) -> None:
+    # ``helped``: a step on a page of another host's job, leased to this host (a shared
+    # store's; one host's store has none, and ignores it).
+
+    def claim_page(self, job_id: int, index: int, *, helped: bool = False) -> None:
         """``pending -> in_flight``; charges one attempt."""
         self._pages.claim(job_id, index)
 
     def finish_page(self, job_id: int, index: int, *, result: dict[str, Any], width: int,
-                    height: int, seconds: float) -> None:
+                    height: int, seconds: float, helped: bool = False) -> None:
         """``in_flight -> done``, storing the parsed result so a restart never recomputes it."""
         self._pages.finish(job_id, index, result=result, width=width, height=height,
                                  seconds=seconds)
 
-    def fail_page(self, job_id: int, index: int, error: str) -> None:
+    def fail_page(self, job_id: int, index: int, error: str, *, helped: bool = False) -> None:
         """``pending|in_flight -> failed`` with the reason."""
         self._pages.fail(job_id, index, error)
 
-    def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
+    def release_page(self, job_id: int, index: int, *, charge: bool = False,
+                     helped: bool = False) -> None:
         """``in_flight -> pending``, uncharged or charged (:meth:`PageTable.release`)."""
         self._pages.release(job_id, index, charge=charge)
+
+    def open_pages(self, job_id: int) -> list[tuple[int, str | None]]:
+        """A job's pages not done or failed yet: (index, the helping host holding it;
+        never one here)."""
+        return [(i, None) for i in self._pages.open_pages(job_id)]
+
+    def claim_helped_pages(self, roots: Collection[Path], limit: int) -> list[tuple[Job, int]]:
+        """Pages of other hosts' jobs leased to this host (a shared store's; none here)."""
+        return []
+
+    def drop_helped_page(self, job_id: int, index: int) -> None:
+        """Give up a page of another host's job (a shared store's; none here)."""
+
+    def reclaim_pages(self, job_id: int) -> int:
+        """Take back a job's pages whose helping host's lease expired (a shared store's;
+        none here)."""
+        return 0
 
     def release_all_in_flight(self) -> int:
         """Give every in-flight page back to the queue (engine died); returns how many."""

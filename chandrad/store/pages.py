@@ -106,6 +106,12 @@ class PageTable:
             c.execute((_REQUEUE if charge else _RELEASE) + "WHERE job_id = ? AND page_index = ?",
                       (job_id, index))
 
+    def open_pages(self, job_id: int) -> list[int]:
+        """The indexes of a job's pages not done or failed yet (pending, in flight)."""
+        return [int(r[0]) for r in self._db.conn.execute(
+            "SELECT page_index FROM pages WHERE job_id = ? AND state IN ('pending', "
+            "'in_flight') ORDER BY page_index", (job_id,))]
+
     def release_all_in_flight(self) -> int:
         """Give every in-flight page back to the queue (engine died, or the daemon stopped
         without doing so); returns how many."""

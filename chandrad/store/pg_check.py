@@ -139,12 +139,15 @@ def _waiting_on_hosts(db: PgDatabase) -> list[str]:
                   f"THEN 'stopped' WHEN {NOW} - h.seen_at <= h.lease_s THEN 'up' "
                   "ELSE 'silent' END")
     rows: list[Any] = db.conn.execute(
-        f"SELECT COALESCE(j.owner, ''), {host_state}, COUNT(DISTINCT j.id), COUNT(*) "
-        "FROM pages p JOIN jobs j ON j.id = p.job_id LEFT JOIN hosts h ON h.host = j.owner "
+        f"SELECT COALESCE(p.holder, j.owner, ''), {host_state}, COUNT(DISTINCT j.id), "
+        "COUNT(*) FROM pages p JOIN jobs j ON j.id = p.job_id LEFT JOIN hosts h "
+        "ON h.host = COALESCE(p.holder, j.owner) "
         "WHERE p.state = 'in_flight' GROUP BY 1, 2 ORDER BY 1").fetchall()
+    # A page's holder is the host helping with another host's job (page_leases).
     notes = [f"{pages} pages in flight on {jobs} jobs of "
              + (f"host {owner} ({state})" if owner else "no host")
-             + ": they go back to pending when a host takes the job"
+             + ": they go back to pending when a host takes the job (or, a helper's, "
+               "when the job's owner takes them back)"
              for owner, state, jobs, pages in rows if state != "up"]
     expired = db.conn.execute(
         "SELECT owner, COUNT(*) FROM jobs WHERE state IN ('pending', 'running', 'held') "

@@ -3,8 +3,9 @@
 The same rows as the SQLite schema (``schema``), in PostgreSQL's types (paths ``bytea``,
 times ``double precision``), plus what several hosts on one database need: a job's
 ``owner`` (host id) and ``lease_until``, a unique index on the open jobs' (path,
-content) so two hosts that saw the same file accept it once, and the ``hosts`` their
-heartbeats keep. Version N is reached by
+content) so two hosts that saw the same file accept it once, the ``hosts`` their
+heartbeats keep, and a page's ``holder`` and ``hold_until`` (a page leased to a host that
+helps with another host's job). Version N is reached by
 running ``PG_MIGRATIONS[N - 1]`` in one transaction, under an advisory lock so hosts
 starting together migrate once; a database newer than this chandrad is refused.
 """
@@ -166,6 +167,14 @@ PG_MIGRATIONS: tuple[str, ...] = (
     CREATE TRIGGER pages_work_back AFTER UPDATE OF state ON pages FOR EACH ROW
         WHEN (NEW.state = 'pending' AND OLD.state <> 'pending')
         EXECUTE FUNCTION chandrad_notify_work('page');
+    """,
+    # 5: pages leased to a helping host (not the job's owner): who holds the page and
+    # until when (renewed by that host's heartbeat); kept on the pages it stored.
+    """
+    ALTER TABLE pages ADD COLUMN holder TEXT, ADD COLUMN hold_until DOUBLE PRECISION;
+    CREATE INDEX pages_held ON pages (holder) WHERE holder IS NOT NULL
+        AND state IN ('pending', 'in_flight');
+    CREATE INDEX pages_open ON pages (job_id, page_index) WHERE state = 'pending';
     """,
 )
 

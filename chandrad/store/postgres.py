@@ -19,6 +19,10 @@ SQLite store, and adds what sharing it between hosts needs:
   its input;
 - **at open, only this host's in-flight pages are released** (on SQLite: all of them);
   another host's pages are not ours to release, its lease expiry hands them over;
+- **pages of one job are shared**: a host with room helps with other hosts' running jobs
+  page by page (``page_leases``: a page leased to its helper, renewed by the same
+  heartbeat, fenced by page); the owner leaves those pages to their helper, takes back
+  any whose lease expired, and writes the outputs once every page is stored;
 - **learned profiles stay per host** (they are per GPU): keys are prefixed with the host id;
 - **idle hosts hear of new work at once**: the schema's triggers NOTIFY in the transaction
   that makes work another host could take, and :meth:`PgStore.listen_for_work` hears it on
@@ -30,6 +34,7 @@ Use from one thread (the event loop's), like the SQLite store.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
@@ -42,11 +47,12 @@ from chandrad.states import JobState
 from chandrad.store.jobs import _JOB_COLUMNS, job_from_row
 from chandrad.store.leases import NOW, LeaseKeeper
 from chandrad.store.operations import TableStore
-from chandrad.store.pages import _RELEASE
+from chandrad.store.page_leases import PageLeases
+from chandrad.store.pages import _PAGE_COLUMNS, _RELEASE, page_from_row
 from chandrad.store.pg_database import PgDatabase
 from chandrad.store.pg_listen import WorkListener
 from chandrad.store.pg_schema import migrate, schema_version
-from chandrad.store.records import ClusterCounts, Job, Recovered
+from chandrad.store.records import ClusterCounts, Job, Page, Recovered
 
 #: Default seconds a job stays leased to its host without a heartbeat (``daemon.lease_s``).
 DEFAULT_LEASE_S = 30.0
@@ -76,8 +82,11 @@ class PgStore(TableStore):
         self.location = db.location
         self._keeper = LeaseKeeper(db.url, host, lease_s)
         self._listener = WorkListener(db.url, host, lease_s)
+        self._held = PageLeases(db, host, lease_s)
         #: Jobs this host claimed from another host whose lease had expired.
         self.takeovers = 0
+        #: Pages of other hosts' jobs this host stored (it helped with them).
+        self.pages_helped = 0
 
     @classmethod
     def open(cls, url: str, host: str, lease_s: float = DEFAULT_LEASE_S) -> PgStore:
@@ -102,9 +111,7 @@ class PgStore(TableStore):
 
     def _recover(self) -> Recovered:
         with self._db.tx() as c:
-            released = c.execute(
-                _RELEASE + "WHERE state = 'in_flight' AND job_id IN "
-                "(SELECT id FROM jobs WHERE owner = ?)", (self.host,)).rowcount
+            released = self._release_own() + self._held.drop_all()
             running = c.execute("SELECT COUNT(*) FROM jobs WHERE state = 'running' "
                                 "AND owner = ?", (self.host,)).fetchone()[0]
         return Recovered(pages_released=int(released), jobs_running=int(running))
@@ -206,34 +213,46 @@ class PgStore(TableStore):
             self._fence(job_id)
             super().init_pages(job_id, count)
 
-    def claim_page(self, job_id: int, index: int) -> None:
+    def claim_page(self, job_id: int, index: int, *, helped: bool = False) -> None:
         with self._db.tx():
-            self._fence(job_id)
+            self._fence_page(job_id, index, helped)
             super().claim_page(job_id, index)
 
     def finish_page(self, job_id: int, index: int, *, result: dict[str, Any], width: int,
-                    height: int, seconds: float) -> None:
+                    height: int, seconds: float, helped: bool = False) -> None:
         with self._db.tx():
-            self._fence(job_id)
+            self._fence_page(job_id, index, helped)
             super().finish_page(job_id, index, result=result, width=width, height=height,
                                 seconds=seconds)
+        if helped:
+            self.pages_helped += 1
 
-    def fail_page(self, job_id: int, index: int, error: str) -> None:
+    def fail_page(self, job_id: int, index: int, error: str, *, helped: bool = False) -> None:
         with self._db.tx():
-            self._fence(job_id)
+            self._fence_page(job_id, index, helped)
             super().fail_page(job_id, index, error)
 
-    def release_page(self, job_id: int, index: int, *, charge: bool = False) -> None:
+    def release_page(self, job_id: int, index: int, *, charge: bool = False,
+                     helped: bool = False) -> None:
         with self._db.tx():
-            self._fence(job_id, cancelled_ok=True)  # giving a page back is always safe
+            if helped:
+                self._held.fence(job_id, index)
+            else:
+                self._fence(job_id, cancelled_ok=True)  # giving a page back is always safe
+                self._held.check_unheld(job_id, index)
             super().release_page(job_id, index, charge=charge)
 
     def release_all_in_flight(self) -> int:
-        """Give this host's in-flight pages back (its engine died); other hosts' pages
-        are theirs."""
+        """Give this host's in-flight pages back (its engine died, or it stops): those of
+        its own jobs that no helper holds, and those it holds for other hosts' jobs;
+        other hosts' pages are theirs."""
+        with self._db.tx():
+            return self._release_own() + self._held.drop_all()
+
+    def _release_own(self) -> int:
         with self._db.tx() as c:
             return int(c.execute(
-                _RELEASE + "WHERE state = 'in_flight' AND job_id IN "
+                _RELEASE + "WHERE state = 'in_flight' AND holder IS NULL AND job_id IN "
                 "(SELECT id FROM jobs WHERE owner = ?)", (self.host,)).rowcount)
 
     # -- retries: work for any host -----------------------------------------------------
@@ -246,6 +265,7 @@ class PgStore(TableStore):
                 return False
             c.execute("UPDATE jobs SET owner = NULL, lease_until = NULL WHERE id = ?",
                       (job_id,))
+            self._held.unhold_requeued()  # nor do its pages belong to a helper
             return True
 
     def retry_all_failed(self) -> int:
@@ -253,7 +273,63 @@ class PgStore(TableStore):
         with self._db.tx() as c:
             c.execute("UPDATE jobs SET owner = NULL, lease_until = NULL "
                       "WHERE state = 'failed'")
-            return super().retry_all_failed()
+            retried = super().retry_all_failed()
+            self._held.unhold_requeued()  # nor do their pages belong to a helper
+            return retried
+
+    # -- pages of other hosts' jobs (helping), and pages others help with ---------------
+
+    def pages(self, job_id: int) -> list[Page]:
+        """All pages of a job, in page order, with the helping host holding each."""
+        rows = self._db.conn.execute(
+            f"SELECT {_PAGE_COLUMNS}, holder FROM pages WHERE job_id = ? ORDER BY page_index",
+            (job_id,)).fetchall()
+        return [dataclasses.replace(page_from_row(r[:-1]), holder=r[-1]) for r in rows]
+
+    def page(self, job_id: int, index: int) -> Page | None:
+        row = self._db.conn.execute(
+            f"SELECT {_PAGE_COLUMNS}, holder FROM pages WHERE job_id = ? AND page_index = ?",
+            (job_id, index)).fetchone()
+        return None if row is None else dataclasses.replace(page_from_row(row[:-1]),
+                                                            holder=row[-1])
+
+    def open_pages(self, job_id: int) -> list[tuple[int, str | None]]:
+        return [(int(i), h) for i, h in self._db.conn.execute(
+            "SELECT page_index, holder FROM pages WHERE job_id = ? AND state IN "
+            "('pending', 'in_flight') ORDER BY page_index", (job_id,)).fetchall()]
+
+    def claim_helped_pages(self, roots: Collection[Path],
+                           limit: int) -> list[tuple[Job, int]]:
+        """Lease up to ``limit`` pending pages of other live hosts' running jobs to this
+        host (``PageLeases.claim``): ``(job, page index)``."""
+        claimed = self._held.claim(roots, limit)
+        jobs = {j: self.get(j) for j in {j for j, _ in claimed}}
+        out = []
+        for job_id, index in claimed:
+            job = jobs[job_id]
+            if job is None:  # deleted meanwhile: nothing to help with
+                continue
+            out.append((job, index))
+        return out
+
+    def drop_helped_page(self, job_id: int, index: int) -> None:
+        """Give up a page this host holds for another host's job and did not finish."""
+        self._held.drop(job_id, index)
+
+    def reclaim_pages(self, job_id: int) -> int:
+        """Take back the job's open pages whose helping host's lease expired."""
+        with self._db.tx():
+            self._fence(job_id)
+            return self._held.reclaim(job_id)
+
+    def _fence_page(self, job_id: int, index: int, helped: bool) -> None:
+        """A step on a page: this host's page lease (``helped``), else the job's lease
+        and no helper holding the page."""
+        if helped:
+            self._held.fence(job_id, index)
+        else:
+            self._fence(job_id)
+            self._held.check_unheld(job_id, index)
 
     # -- the cluster, for metrics -------------------------------------------------------
 
@@ -271,7 +347,7 @@ class PgStore(TableStore):
                 jobs[(str(owner), str(state))] = int(n)
             else:
                 expired = int(n)
-        return ClusterCounts(hosts, jobs, expired, self.takeovers)
+        return ClusterCounts(hosts, jobs, expired, self.takeovers, self.pages_helped)
 
     # -- learned profiles: per host ----------------------------------------------------
 
@@ -307,7 +383,8 @@ def cluster_status(url: str) -> dict[str, Any]:
     """The hosts sharing the queue at ``url`` and where each stands (``chandractl status
     --cluster``): ``up`` (heartbeat within its lease), ``silent`` (none for longer: dead,
     stalled or cut off; its expired leases go to the others) or ``stopped``; its jobs
-    running and waiting, pages in flight, pages done in the last minute, leases expired.
+    running and waiting, pages in flight and done in the last minute (its own jobs' and
+    those it helps with), pages it holds of other hosts' jobs, leases expired.
     One read-only connection of its own."""
     db = PgDatabase.connect(url)
     try:
@@ -317,9 +394,12 @@ def cluster_status(url: str) -> dict[str, Any]:
             "(SELECT COUNT(*) FROM jobs j WHERE j.owner = h.host "
             " AND j.state IN ('pending', 'held')), "
             "(SELECT COUNT(*) FROM pages p JOIN jobs j ON j.id = p.job_id "
-            " WHERE j.owner = h.host AND p.state = 'in_flight'), "
-            "(SELECT COUNT(*) FROM pages p JOIN jobs j ON j.id = p.job_id "
-            f" WHERE j.owner = h.host AND p.state = 'done' AND p.finished_at >= {NOW} - 60), "
+            " WHERE COALESCE(p.holder, j.owner) = h.host AND p.state = 'in_flight'), "
+            "(SELECT COUNT(*) FROM pages p JOIN jobs j ON j.id = p.job_id WHERE "
+            f" COALESCE(p.holder, j.owner) = h.host AND p.state = 'done' AND p.finished_at >= "
+            f" {NOW} - 60), "
+            "(SELECT COUNT(*) FROM pages p WHERE p.holder = h.host "
+            " AND p.state IN ('pending', 'in_flight')), "
             "(SELECT COUNT(*) FROM jobs j WHERE j.owner = h.host AND j.state IN "
             f" ('pending', 'running', 'held') AND j.lease_until < {NOW}) "
             "FROM hosts h ORDER BY h.host").fetchall()
@@ -335,8 +415,8 @@ def cluster_status(url: str) -> dict[str, Any]:
         "up" if seen <= lease_s else "silent", "seen_s_ago": round(float(seen), 1),
         "lease_s": lease_s, "jobs_running": int(running), "jobs_waiting": int(waiting),
         "pages_in_flight": int(in_flight), "pages_done_1m": int(done_1m),
-        "leases_expired": int(expired)}
-        for host, pid, lease_s, seen, stopped, running, waiting, in_flight, done_1m, expired
-        in rows]
+        "pages_helping": int(helping), "leases_expired": int(expired)}
+        for host, pid, lease_s, seen, stopped, running, waiting, in_flight, done_1m, helping,
+        expired in rows]
     return {"store": db.location, "hosts": hosts, "jobs": counts,
             "jobs_unclaimed": int(unclaimed)}

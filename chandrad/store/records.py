@@ -92,6 +92,9 @@ class Page:
     seconds: float | None
     started_at: float | None
     finished_at: float | None
+    #: The helping host that holds the page (a shared store: not the job's owner, which
+    #: leaves the page to it) or stored it; None on a single host's store.
+    holder: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,4 @@ class ClusterCounts:
     jobs: dict[tuple[str, str], int]  #: open jobs by (owner host, "" for none; state)
     leases_expired: int  #: open jobs whose owner's lease expired (a takeover is due)
     takeovers: int = 0  #: jobs this host claimed from another whose lease had expired
+    pages_helped: int = 0  #: pages of other hosts' jobs this host stored
