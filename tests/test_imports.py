@@ -65,7 +65,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "chandrad.pipeline.scheduler", "chandrad.pipeline.intake",
                 "chandrad.pipeline.jobs", "chandrad.pipeline.worker", "chandrad.pipeline.content",
                 "chandrad.pipeline.helping",
-                "chandrad.pipeline.waits",
+                "chandrad.pipeline.waits", "chandrad.pipeline.held",
                 "chandrad.engine.flagcheck", "chandrad.engine.probe", "chandrad.engine.spawn",
                 "chandrad.engine.keeper", "chandrad.engine.planning",
                 "chandrad.batch",
@@ -194,8 +194,8 @@ def test_the_daemon_parts_do_not_import_the_daemon_back() -> None:
 
 #: The pipeline package, top to bottom: each module imports only those after it, so the
 #: page worker and its attempts policy never reach back into the scheduler.
-PIPELINE_ORDER = ("scheduler", "waits", "intake", "helping", "jobs", "worker", "attempts",
-                  "limits", "content")
+PIPELINE_ORDER = ("scheduler", "held", "waits", "intake", "helping", "jobs", "worker",
+                  "attempts", "limits", "content")
 
 
 def test_the_pipeline_package_imports_downwards() -> None:

@@ -27,7 +27,6 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -46,13 +45,14 @@ from chandrad.errors import (
 )
 from chandrad.events import Event
 from chandrad.interfaces import EngineHandle, Observer
+from chandrad.pipeline.held import HeldReport
 from chandrad.pipeline.helping import Helper
 from chandrad.pipeline.intake import Intake, Settled, StoreRoom
 from chandrad.pipeline.jobs import JobRunner
 from chandrad.pipeline.limits import Limits
 from chandrad.pipeline.waits import JobWaits
 from chandrad.pipeline.worker import PageWorker
-from chandrad.protocol import HeldJob, HeldStatus
+from chandrad.protocol import HeldStatus
 from chandrad.render import RenderPool
 from chandrad.states import PIPELINE_TRANSITIONS, EngineState, JobState, PageState, PipelineMode
 from chandrad.store import Job, StoreBackend
@@ -347,67 +347,16 @@ class Pipeline:
         return self.store.list_jobs(JobState.HELD.value, limit=1000)
 
     def held(self) -> HeldStatus:
-        """Accepted jobs that are not being worked on, and why (for ``status``): their
-        watch is no longer configured (``watch_removed``), they are backing off after an
-        error that left them unfinished (``backoff``), their outputs cannot be written
-        (``output_unwritable``), or the store takes no writes (``store_full``)."""
-        roots = self._watches_by_root()
-        count, orphans = self.store.active_outside(list(roots))
-        backoff = self.waits.backing_off(roots)
-        now = time.monotonic()
-        jobs: list[HeldJob] = [{
-            "id": j.id, "file": names.display(j.abs_path), "reason": "watch_removed",
-            "message": f"no configured watch has input {j.input_root} any more; put it "
-                       "back in the config and reload, or cancel the job"} for j in orphans]
-        jobs += [{"id": job_id, "file": b.file, "reason": "backoff", "message": b.reason,
-                  "failures": b.failures, "retry_in_s": round(max(0.0, b.until - now), 1)}
-                 for job_id, b in sorted(backoff.items())]
-        held = self._held_waiting(roots)
-        jobs += [{"id": j.id, "file": names.display(j.abs_path), "reason": j.error_code,
-                  "message": j.error_message,
-                  "retry_in_s": round(self.waits.held_retry_in(j.id, now), 1)} for j in held]
-        waiting = self._store_waiting()
-        error = self._room.error
-        if error is not None:
-            jobs += [{"id": job_id, "file": file, "reason": error.code,
-                      "message": self.store_full} for job_id, file in waiting.items()]
-            if self.intake.queue:  # not jobs yet: one line for the files waiting in the inbox
-                jobs.append({"file": self.store.location, "reason": error.code,
-                             "message": f"{len(self.intake.queue)} settled file(s) wait in "
-                                        f"the inbox: {self.store_full}"})
-        return {"count": count + len(backoff) + len(held) + len(waiting), "jobs": jobs}
-
-    def _store_waiting(self) -> dict[int, str]:
-        """Jobs waiting for the store to take writes (not running now), by id: their file."""
-        if not self.store_full:
-            return {}
-        out = {}
-        for job_id in self.waits.store_wait:
-            job = None if job_id in self._active else self.store.get(job_id)
-            if job is not None:
-                out[job_id] = names.display(job.abs_path)
-        return out
+        """Accepted jobs that are not being worked on, and why (``chandrad.pipeline.held``)."""
+        return self._held_report().held()
 
     def held_counts(self) -> dict[str, int]:
-        """How many jobs :meth:`held` lists, by reason (those with none left out), without
-        listing them: for systemd's ``STATUS=``, built at every turn of the main loop."""
-        roots = self._watches_by_root()
-        removed, _ = self.store.active_outside(list(roots), limit=0)
-        out = {"watch_removed": removed, "backoff": len(self.waits.backing_off(roots))}
-        for j in self._held_waiting(roots):
-            reason = j.error_code or JobState.HELD.value
-            out[reason] = out.get(reason, 0) + 1
-        out[self._room.error.code if self._room.error else StoreFull.code] = len(
-            self._store_waiting())
-        return {reason: n for reason, n in out.items() if n}
+        """How many jobs :meth:`held` lists, by reason, without listing them."""
+        return self._held_report().counts()
 
-    def _held_waiting(self, roots: Mapping[Path, WatchConfig]) -> list[Job]:
-        """Jobs in the ``held`` state waiting for their retry (not being retried now);
-        one whose watch was removed is counted as ``watch_removed`` instead."""
-        if not self.store.counts().get(JobState.HELD.value):
-            return []
-        return [j for j in self._held_jobs()
-                if j.id not in self._active and j.input_root in roots]
+    def _held_report(self) -> HeldReport:
+        return HeldReport(self.store, self.waits, self._room, len(self.intake.queue),
+                          self._watches_by_root(), set(self._active), self._held_jobs)
 
     # ------------------------------------------------------------ gauges
     @property
