@@ -144,13 +144,6 @@ class ApiTable:
                 "ORDER BY o.was, o.id", (now, limit, now + hold_s)).fetchall()
         return [OutboxItem(*r) for r in rows]
 
-    def next_due(self) -> float | None:
-        """When the next pending webhook is due (None: none pending)."""
-        row = self._db.conn.execute(
-            "SELECT MIN(next_at) FROM webhook_outbox "
-            "WHERE delivered_at IS NULL AND given_up_at IS NULL").fetchone()
-        return None if row[0] is None else float(row[0])
-
     def freeze_body(self, item_id: int, body: str) -> str:
         """Keep the first body composed for a webhook, so every attempt sends the same
         bytes; returns the body stored."""
