@@ -57,14 +57,17 @@ def run_to_exit(d: Daemon) -> int:
 
 
 def assert_stopped_in_order(d: Daemon, code: str, says: str) -> list[str]:
-    """The log says the start failed (``code``, the error naming ``says``), then the
-    shutdown ran and said 78; no process is left, the store was closed. The event names,
-    in order."""
+    """The log says the start failed (``code``), then the shutdown ran and said 78, then
+    the entry point's one plain line names ``says`` (the event does not repeat it); no
+    process is left, the store was closed. The event names, in order."""
     logged = events(d)
     names = [e.get("event") for e in logged]
     assert "daemon_started" not in names, d.tail()
     failed = next((e for e in logged if e.get("event") == "startup_failed"), None)
-    assert failed is not None and failed["code"] == code and says in failed["error"], d.tail()
+    assert failed is not None and failed["code"] == code and "error" not in failed, d.tail()
+    plain = [line for line in d.log_path.read_text(errors="replace").splitlines()
+             if says in line]
+    assert len(plain) == 1 and not plain[0].startswith("{"), d.tail()
     stopped = [e for e in logged if e.get("event") == "daemon_stopped"]
     assert len(stopped) == 1 and stopped[0]["exit_code"] == ExitCode.CONFIG, d.tail()
     assert names.index("startup_failed") < names.index("daemon_stopped")

@@ -147,7 +147,7 @@ class Daemon:
         except ChandradError as exc:
             # cli.py maps the exception to the process status; daemon_stopped must say the same.
             self.lifecycle.set_exit_code(exc.exit_code)
-            self._log_startup_failure(exc.code, exc.message)
+            self._log_startup_failure(exc.code)  # its message: cli.py's last line
             raise
         except Exception as exc:
             self.lifecycle.set_exit_code(ExitCode.SOFTWARE)
@@ -164,10 +164,13 @@ class Daemon:
                            render=self.render).run()
         return int(self.lifecycle.exit_code)
 
-    def _log_startup_failure(self, code: str, error: str) -> None:
+    def _log_startup_failure(self, code: str, error: str | None = None) -> None:
+        """A start that failed part-way; a typed error's message is not repeated here: the
+        entry point prints it as the process's one last line."""
         if self.lifecycle.state is DaemonState.STARTING:
-            log.error("startup_failed", code=code, error=error,
-                      reason="stopping what start-up started, then exiting")
+            details = {} if error is None else {"error": error}
+            log.error("startup_failed", code=code,
+                      reason="stopping what start-up started, then exiting", **details)
 
     async def _main_loop(self) -> None:
         reloader, controls = self.reloader, self.controls
