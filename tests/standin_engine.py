@@ -57,6 +57,10 @@ read once at start, so that a test can change what the *next* generation does:
   (a body that is not a chat completion), ``message`` (an error's), ``prompt_tokens``,
   ``until`` (a path: the answer waits until it exists, 120 s at most). The default
   content names the page image's sha256, so a test can tell pages apart.
+* ``page_id``: ``"png"`` (default): a page's ``sha256`` is its PNG's bytes'; ``"pixels"``:
+  its decoded pixels' (mode, size, rows), the page as a real engine sees it — the same
+  pixels may come in other PNG bytes (``chandrad.png``'s deflate now and then picks other
+  valid matches on a busy machine), which a test comparing two runs' outputs must not see.
 * ``record_messages``: keep the messages (the page image) in the ``chat`` events too.
 * ``gate``: N > 0 holds every request until N are held at once (at most ``gate_s``,
   default 120 s), then answers them and all later ones as usual: the engine is the
@@ -306,8 +310,9 @@ def _record(folder: Path | None, **event: Any) -> None:
         os.close(fd)
 
 
-def _page(body: dict[str, Any], colour: bool) -> dict[str, Any]:
-    """The page image of a chat request: its sha256, size and (if asked) centre colour."""
+def _page(body: dict[str, Any], colour: bool, pixels: bool = False) -> dict[str, Any]:
+    """The page image of a chat request: its sha256 (of its PNG bytes, or with ``pixels``
+    of its decoded pixels), size and (if asked) centre colour."""
     from PIL import Image
 
     for message in body.get("messages", []):
@@ -318,6 +323,10 @@ def _page(body: dict[str, Any], colour: bool) -> dict[str, Any]:
                                         "colour": []}
                 with Image.open(io.BytesIO(data)) as image:  # reads the header only
                     page["width"], page["height"] = image.size
+                    if pixels:  # decodes the image: only for a scenario that asks
+                        page["sha256"] = hashlib.sha256(
+                            f"{image.mode} {image.size}\n".encode() + image.tobytes()
+                        ).hexdigest()
                     if colour:  # decodes the image: only for a scenario that needs it
                         rgb = image.convert("RGB").getpixel((image.width // 2,
                                                              image.height // 2))
@@ -360,7 +369,8 @@ class _ChatHandler(EngineHandler):
         try:
             scenario = _read(self.server.scenario_path)  # replies may change while it runs
             named = [*scenario.get("replies", {}), *scenario.get("prompt_tokens", {})]
-            page = _page(body, colour=any(k.startswith("colour:") for k in named))
+            page = _page(body, colour=any(k.startswith("colour:") for k in named),
+                         pixels=scenario.get("page_id") == "pixels")
             prompt = 1
             if self.server.prompt_text_tokens is not None:
                 prompt = (self.server.prompt_text_tokens + math.ceil(page["width"] / 32)
@@ -394,7 +404,9 @@ class _ChatHandler(EngineHandler):
                 if running >= gate:
                     self.server.gate_open.set()
                 self.server.gate_open.wait(float(scenario.get("gate_s", 120)))
-            reply = self._reply(scenario, page)
+            # Read again: a test that changed the replies after it saw this request's
+            # ``chat`` event expects this request to be answered the new way.
+            reply = self._reply(_read(self.server.scenario_path), page)
             if self.server.slots is None:
                 time.sleep(float(reply.get("delay_s", self.server.delay_s)))
             else:
