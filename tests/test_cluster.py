@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import socket
 import time
 import urllib.request
@@ -100,7 +99,9 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path, pg_server: PgServer) -> Iterator[Cluster]:
     # Two pages at once, like a small GPU: a 15-page document takes seconds, not one.
-    engine = StandinServer(tmp_path / "engine", {"delay_s": 0.15, "max_running": 2}).start()
+    # Pages named by their pixels: the same pixels may come in other PNG bytes.
+    engine = StandinServer(tmp_path / "engine", {"delay_s": 0.15, "max_running": 2,
+                                                 "page_id": "pixels"}).start()
     c = Cluster(pg_server.new_database(), engine, tmp_path / "spool", [])
     try:
         yield c
@@ -115,31 +116,6 @@ def _outputs(folder: Path) -> dict[str, str]:
     JSON holds timings, which differ from run to run)."""
     return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*"))
             if p.suffix in (".md", ".html")}
-
-
-def _compare_outputs(cluster: dict[str, str], single: dict[str, str], cluster_sent: set[str],
-                     single_sent: set[str]) -> list[str]:
-    """Assert the cluster's outputs are the single host's, line by line; a page's line
-    may differ only where the two rendered that page to different PNGs (each engine was
-    sent its own: the stand-in's answer names the image's sha256), which happens now and
-    then whatever the store. Those PNGs hold the same pixels: ISA-L's deflate
-    (``chandrad.png``) now and then picks other, equally valid matches for the same rows
-    on a busy machine, so only the PNG's bytes differ. Those pages, as ``file: line``."""
-    assert set(cluster) == set(single) and single, (sorted(cluster), sorted(single))
-    differed = []
-    for name in sorted(single):
-        ours, theirs = cluster[name].splitlines(), single[name].splitlines()
-        assert len(ours) == len(theirs), (name, cluster[name], single[name])
-        for mine, other in zip(ours, theirs, strict=True):
-            if mine == other:
-                continue
-            sha, other_sha = (re.search(r"stand-in page ([0-9a-f]{16})", line)
-                              for line in (mine, other))
-            assert sha and other_sha and mine.replace(sha[1], other_sha[1]) == other, (
-                name, mine, other)
-            assert sha[1] in cluster_sent and other_sha[1] in single_sent, (name, mine, other)
-            differed.append(f"{name}: {mine.strip()} (single host: {other_sha[1]})")
-    return differed
 
 
 def _pages(c: Cluster) -> list[tuple[str, int, str, int, float | None]]:
@@ -446,8 +422,8 @@ def _long_pdf(corpus_dir: Path, path: Path) -> Path:
 
 def _engines(tmp_path: Path, delay_s: float) -> dict[str, StandinServer]:
     """One stand-in engine per host (two pages at once), to count whose engine did what."""
-    return {name: StandinServer(tmp_path / f"engine-{name}", {"delay_s": delay_s,
-                                                              "max_running": 2}).start()
+    return {name: StandinServer(tmp_path / f"engine-{name}", {
+        "delay_s": delay_s, "max_running": 2, "page_id": "pixels"}).start()
             for name in ("host-a", "host-b")}
 
 
@@ -482,16 +458,12 @@ def test_one_long_document_is_inferred_by_both_hosts_page_by_page(
         chats = {name: len(e.chats()) for name, e in engines.items()}
         # Both hosts' engines inferred pages of the one document, each page once.
         assert chats[helper] == helped > 0 and chats[owner] == LONG_PAGES - helped > 0, chats
-        renders_differed = _compare_outputs(
-            _outputs(c.shared / "output"), _outputs(single.output),
-            {m["sha256"][:16] for e in engines.values() for m in e.chats()},
-            {m["sha256"][:16] for m in c.engine.chats()})
+        assert _outputs(c.shared / "output") == _outputs(single.output) != {}
         assert [p.name for p in c.shared.joinpath("done").iterdir()] == [doc.name]
         view = json.loads(hosts[owner].ctl("status", "--cluster", "--json", "--config",
                                            str(hosts[owner].config)).stdout)
         assert all(h["pages_helping"] == 0 for h in view["hosts"])
-        print(f"pages inferred per host: {chats} (owner {owner}); page renders unlike the "
-              f"single daemon's: {renders_differed or 'none'}")
+        print(f"pages inferred per host: {chats} (owner {owner})")
     finally:
         for e in engines.values():
             e.stop()

@@ -32,7 +32,7 @@ import pytest
 from daemon_harness import OCR, Daemon, drop, free_port
 from pg_server import PgServer
 from standin_engine import StandinServer
-from test_cluster import LEASE_S, LONG, NO_METRICS, HostDaemon, _compare_outputs, _outputs
+from test_cluster import LEASE_S, LONG, NO_METRICS, HostDaemon, _outputs
 from test_job_errors import Notify
 from waiting import wait_until
 
@@ -184,11 +184,15 @@ def test_a_partitioned_host_loses_its_jobs_to_the_other_and_its_late_answers_are
     a_net, b_net, server = net
     url = server.new_database()
     files = (LONG, *SMALL)
-    engines = {"host-a": StandinServer(tmp_path / "engine-a", {"delay_s": 0.05},
+    # Pages named by their pixels: the same pixels may come in other PNG bytes.
+    engines = {"host-a": StandinServer(tmp_path / "engine-a",
+                                       {"delay_s": 0.05, "page_id": "pixels"},
                                        prefix=a_net.prefix),
-               "host-b": StandinServer(tmp_path / "engine-b", {"delay_s": 0.3},
+               "host-b": StandinServer(tmp_path / "engine-b",
+                                       {"delay_s": 0.3, "page_id": "pixels"},
                                        prefix=b_net.prefix),
-               "single": StandinServer(tmp_path / "engine-single", {"delay_s": 0.05})}
+               "single": StandinServer(tmp_path / "engine-single",
+                                       {"delay_s": 0.05, "page_id": "pixels"})}
     notify = Notify(tmp_path / "notify.sock")
     made: list[Daemon] = []
 
@@ -302,10 +306,7 @@ def test_a_partitioned_host_loses_its_jobs_to_the_other_and_its_late_answers_are
         assert {n: s for n, (_, s, _) in jobs().items()} == dict.fromkeys(files, "done")
         assert sorted(p.name for p in a.done.iterdir()) == sorted(files)
         assert not list(a.inbox.iterdir()) and not list(a.failed.iterdir())
-        renders_differed = _compare_outputs(
-            _outputs(a.output), _outputs(single.output),
-            {c["sha256"][:16] for e in ("host-a", "host-b") for c in engines[e].chats()},
-            {c["sha256"][:16] for c in engines["single"].chats()})
+        assert _outputs(a.output) == _outputs(single.output) != {}
         lost = _events(b, "job_lease_lost")
         assert all(e["owner"] == "host-a" for e in lost), lost
         assert not [e for e in _events(b, "job_done") if e.get("job") in held.values()]
@@ -315,8 +316,7 @@ def test_a_partitioned_host_loses_its_jobs_to_the_other_and_its_late_answers_are
               f"taken over by host a {takeover_s:.1f} s after the cut, finished by it "
               f"{finished_s:.1f} s after; host b's status answered in {status_s:.2f} s "
               f"while cut off; reconnected {reconnect_s:.1f} s after the link was back; "
-              f"{len(lost)} late job(s) refused; page renders unlike the single host's: "
-              f"{renders_differed or 'none'}")
+              f"{len(lost)} late job(s) refused")
     finally:
         b_net.restore()
         for d in made:
