@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import daemon_harness
 import loop_model
@@ -59,6 +60,25 @@ def pg_server() -> Iterator[PgServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def hosts(pg_server: PgServer) -> Iterator[Callable[..., Any]]:
+    """``hosts(host_id, lease_s=30.0)`` opens a PostgreSQL store (``PgStore``) as that host
+    on one fresh database per test; all are closed at the end."""
+    from chandrad.store.postgres import PgStore
+
+    url = pg_server.new_database()
+    opened: list[PgStore] = []
+
+    def open_host(host: str, lease_s: float = 30.0) -> PgStore:
+        store = PgStore.open(url, host, lease_s)
+        opened.append(store)
+        return store
+
+    yield open_host
+    for store in opened:
+        store.close()
 
 
 @pytest.fixture(scope="session")

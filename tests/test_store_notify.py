@@ -15,12 +15,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import psycopg
-import pytest
 from pg_server import PgServer
 from standin_engine import standin_server
 from structlog.testing import capture_logs
@@ -48,22 +47,6 @@ ROOT = Path("/in")
 #: How soon an idle host must start work another host freed. Its poll is made 60 s long,
 #: so only the notification can make this (the poll alone took up to 1 s).
 START_WITHIN_S = 0.3
-
-
-@pytest.fixture
-def hosts(pg_server: PgServer) -> Iterator[Callable[..., PgStore]]:
-    """Open a store per host on one fresh database; all closed at the end."""
-    url = pg_server.new_database()
-    opened: list[PgStore] = []
-
-    def open_host(host: str, lease_s: float = 30.0) -> PgStore:
-        store = PgStore.open(url, host, lease_s)
-        opened.append(store)
-        return store
-
-    yield open_host
-    for store in opened:
-        store.close()
 
 
 def _listen(url: str) -> psycopg.Connection[Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,22 +18,6 @@ from chandrad.store.pg_database import PgDatabase, session_params
 from chandrad.store.postgres import PgStore
 
 ROOT = Path("/in")
-
-
-@pytest.fixture
-def hosts(pg_server: PgServer) -> Iterator[Callable[..., PgStore]]:
-    """Open a store per host on one fresh database; all closed at the end."""
-    url = pg_server.new_database()
-    opened: list[PgStore] = []
-
-    def open_host(host: str, lease_s: float = 30.0) -> PgStore:
-        store = PgStore.open(url, host, lease_s)
-        opened.append(store)
-        return store
-
-    yield open_host
-    for store in opened:
-        store.close()
 
 
 def _accept(store: PgStore, name: str, sha: str = "a" * 64) -> int | None:
