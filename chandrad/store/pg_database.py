@@ -116,7 +116,8 @@ class _Conn:
             cur.executemany(_sql(sql), [tuple(r) for r in rows])
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """A psycopg error's first line (its reason), or its class name when it has none."""
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
@@ -215,7 +216,7 @@ class PgDatabase:
                     self._raw, self.down = attempt.conn, False
                     break
                 assert attempt.error is not None
-                self._reason = _first_line(attempt.error)
+                self._reason = first_line(attempt.error)
                 if time.monotonic() >= deadline:
                     self.down = True
                     raise attempt.error
@@ -235,7 +236,7 @@ class PgDatabase:
         except (psycopg.OperationalError, pg_errors.AdminShutdown) as exc:
             if self._raw is not None and not self._raw.closed and self._raw.broken:
                 self._raw.close()
-            reason = _first_line(exc)
+            reason = first_line(exc)
             raise StoreUnreachable(f"the store {self.location} cannot be reached ({reason}); "
                                    "chandrad connects again by itself", path=self.location
                                    ) from None

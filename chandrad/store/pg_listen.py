@@ -26,7 +26,7 @@ from collections.abc import Callable
 import psycopg
 import structlog
 
-from chandrad.store.pg_database import safe_url, session_params
+from chandrad.store.pg_database import first_line, safe_url, session_params
 
 log = structlog.get_logger("chandrad.store")
 
@@ -103,9 +103,8 @@ class WorkListener:
                         conn.close()
                         conn = None
                     if not lost:
-                        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else \
-                            type(exc).__name__
-                        log.warning("store_listen_lost", store=self.location, reason=reason,
+                        log.warning("store_listen_lost", store=self.location,
+                                    reason=first_line(exc),
                                     retry_every_s=RETRY_S,
                                     meanwhile="this host finds new work by the dispatcher's "
                                               "poll")
